@@ -1,0 +1,354 @@
+"""The between-steps check: triggers in, one agreed decision out, checkpoints on demand."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..decision import Action, Decision, Request, RequestBox, Source
+from ..errors import CheckpointError, ConfigError
+from ..events import EventLog
+from ..jobdir import JobDir
+from ..triggers.budget import BudgetConfig, TimeBudget
+from ..triggers.files import SwitchWatcher, WatchConfig
+from ..triggers.signals import SignalConfig, SignalTrigger
+from .agreement import AgreementConfig, Collective, decode_flags, encode
+
+__all__ = ["Config", "FaultTolerance"]
+
+log = logging.getLogger(__name__)
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """Everything ftkit does for one training job; each component gets only its own part."""
+
+    signals: SignalConfig = field(default_factory=SignalConfig)
+    """Which signals are handled and what each asks for."""
+
+    watch: WatchConfig = field(default_factory=WatchConfig)
+    """How the save-switch, kill-switch and request files are watched."""
+
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    """The time budget: save and exit before the job's end time."""
+
+    agreement: AgreementConfig = field(default_factory=AgreementConfig)
+    """How often ranks agree on a decision."""
+
+    checkpoint: Any = None
+    """A ``ftkit.checkpoint.CheckpointConfig``; None: ``JOBDIR/checkpoints`` with defaults."""
+
+    save_every: int | None = None
+    """Also save every this many steps (periodic checkpoints); None: only on request."""
+
+    save_at_end: bool = True
+    """Save a checkpoint when ``range()`` reaches the last step."""
+
+    def __post_init__(self) -> None:
+        if self.save_every is not None and (not isinstance(self.save_every, int) or self.save_every < 1):
+            raise ConfigError(f"save_every: must be a whole number of steps >= 1 or None, got {self.save_every!r}")
+
+
+def _dist_info(process_group: Any) -> tuple[int, int, Any]:
+    """(rank, world size, group) from torch.distributed when it is initialised, else (0, 1, None)."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")  # never import torch just to learn we are alone
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return 0, 1, None
+    return dist.get_rank(process_group), dist.get_world_size(process_group), process_group
+
+
+class FaultTolerance:
+    """One per training process. Between steps, ``check(step)`` returns what to do.
+
+    ``step`` is the number of optimizer steps completed so far. Every rank must call
+    ``check``/``step`` with the same step numbers. Use as a context manager, or call
+    ``start()`` and ``close()``.
+    """
+
+    def __init__(
+        self,
+        job_dir: str | os.PathLike[str],
+        *,
+        state: Mapping[str, Any] | None = None,
+        config: Config | None = None,
+        process_group: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+        wallclock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config if config is not None else Config()
+        self.job = JobDir.of(job_dir).ensure()
+        self.rank, self.world_size, self._group = _dist_info(process_group)
+        self.state = state
+        self._clock = clock
+        self._wallclock = wallclock
+        self.events = EventLog(self.job.events, rank=self.rank, clock=wallclock)
+        self.box = RequestBox()
+        self._signals = SignalTrigger(self.config.signals, self.box, clock=clock)
+        self._watcher = SwitchWatcher(self.job, self.box, self.config.watch)
+        self.budget = TimeBudget(self.config.budget, clock=wallclock)
+        self._collective: Collective | None = None
+        self._every = self.config.agreement.every
+        self._pending: list[Request] = []
+        self._final: Decision | None = None
+        self._no_save_at_start = False
+        self._first_check = True
+        self._last_check: float | None = None
+        self._last_save_end = float("-inf")  # monotonic time the last save became durable
+        self._last_saved_step: int | None = None
+        self._handled_wall: dict[Source, float] = {}  # wall time of the last decision per file source
+        self._checkpoints: Any = None
+        self._started = False
+        self.completed = False
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def start(self) -> FaultTolerance:
+        if self._started:
+            return self
+        self._started = True
+        if self.job.kill_switch.is_file() and not self.job.kill_switch.is_symlink():
+            self._no_save_at_start = True
+            log.warning("kill-switch %s exists: this run saves nothing and exits at its first check",
+                        self.job.kill_switch)
+        self._signals.start()
+        self._watcher.start()
+        if self.world_size > 1:
+            self._collective = Collective(self.config.agreement, self._group)
+        from ..slurm.env import SlurmEnv
+
+        slurm = SlurmEnv.from_env()
+        self.events.emit(
+            "start",
+            world_size=self.world_size,
+            job_id=slurm.job_id,
+            restart_count=slurm.restart_count,
+            kill_switch=self._no_save_at_start,
+            observer=self._watcher.observer_kind,
+            deadline=self.budget.end_time,
+        )
+        return self
+
+    def close(self) -> None:
+        if not self._started:
+            return
+        self._started = False
+        try:
+            if self._checkpoints is not None:
+                self._checkpoints.wait()
+                self._checkpoints.close()
+        finally:
+            self._watcher.close()
+            self._signals.close()
+            final = self._final
+            self.events.emit(
+                "exit",
+                step=self._last_saved_step if final is None else final.step,
+                completed=self.completed,
+                requeue=None if final is None else final.requeue,
+                reasons=[] if final is None else list(final.reasons),
+            )
+
+    def __enter__(self) -> FaultTolerance:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- requests from code -----------------------------------------------------------------
+
+    def request(self, action: str = "save", *, reason: str = "requested by the training script") -> None:
+        """Ask for ``save``, ``save-exit``, ``requeue``, ``stop`` or ``exit`` at the next check."""
+        from ..decision import parse_action
+
+        act, requeue = parse_action(action, setting="request(action)")
+        self.box.post(Request(act, Source.API, reason, requeue=requeue, created=self._clock()))
+
+    @property
+    def stopping(self) -> bool:
+        """True once an exit has been decided (or a kill-switch was present at start)."""
+        return self._final is not None or self._no_save_at_start
+
+    # -- the between-steps check ------------------------------------------------------------
+
+    def check(self, step: int) -> Decision:
+        """What every rank does now that ``step`` steps are complete. Cheap when nothing happened."""
+        now = self._clock()
+        if self._last_check is not None:
+            self.budget.record_step(now - self._last_check)
+        self._last_check = now
+        if self._final is not None:
+            return self._final
+        if self.box.pending:
+            self._take(self.box.drain(), step)
+        if self.budget.due():
+            self._take([self.budget.request()], step)
+        if self._collective is not None:
+            if not (self._first_check or step % self._every == 0):
+                return Decision(step)
+            flags = self._collective.reduce(encode(self._pending, no_save=self._no_save_at_start))
+        elif self._pending or self._no_save_at_start:
+            flags = encode(self._pending, no_save=self._no_save_at_start)
+        else:
+            self._first_check = False
+            return Decision(step)
+        self._first_check = False
+        return self._decide(step, flags)
+
+    def _take(self, requests: list[Request], step: int) -> None:
+        for r in requests:
+            stale = self._stale(r)
+            self.events.emit("trigger", step=step, source=r.source.value, action=r.action.name,
+                             reason=r.reason, origin=r.origin, ignored=stale)
+            if stale:
+                log.info("ignoring %s at step %d: %s", r.reason, step, stale)
+            else:
+                self._pending.append(r)
+
+    def _stale(self, r: Request) -> str | None:
+        """Why a request is already satisfied, or None. Makes bursts change only the log."""
+        if self._final is not None:
+            return "an exit is already decided"
+        if r.action == Action.SAVE and r.created <= self._last_save_end:
+            return "a save that finished after it was asked for covers it"
+        if r.origin is not None and r.source in self._handled_wall:
+            try:
+                mtime = os.stat(r.origin).st_mtime
+            except FileNotFoundError:
+                return "its file is gone (already handled)"
+            if mtime <= self._handled_wall[r.source]:
+                return "its file was already handled"
+        return None
+
+    def _decide(self, step: int, flags: list[int]) -> Decision:
+        action, requeue, pin, sources = decode_flags(flags)
+        if action == Action.NONE:
+            return Decision(step)
+        local = {r.source for r in self._pending}
+        reasons = [r.reason for r in self._pending]
+        reasons += [f"{s.value} (seen by another rank)" for s in sorted(sources - local, key=lambda s: s.value)]
+        if self._no_save_at_start:
+            reasons.insert(0, f"kill-switch {self.job.kill_switch} present at start: exiting without saving")
+        decision = Decision(step, action, requeue, pin, sources, tuple(dict.fromkeys(reasons)))
+        self._pending.clear()
+        wall = self._wallclock()
+        for source in (Source.SAVE_SWITCH, Source.KILL_SWITCH, Source.REQUEST):
+            if source in sources:
+                self._handled_wall[source] = wall
+        if decision.exit:
+            self._final = decision
+        self.events.emit("decision", step=step, action=action.name, requeue=requeue, pin=pin,
+                         sources=sorted(s.value for s in sources), reasons=list(decision.reasons))
+        log.warning("ftkit decision: %s", decision.describe())
+        return decision
+
+    # -- acting on decisions ----------------------------------------------------------------
+
+    def step(self, step: int) -> Decision:
+        """``check(step)``, then save if the decision (or ``save_every``) says so."""
+        decision = self.check(step)
+        periodic = (
+            self.config.save_every is not None
+            and step % self.config.save_every == 0
+            and not self._no_save_at_start
+        )
+        if decision.save or (periodic and not decision.exit):
+            self.save(step, decision=decision if decision.save else None)
+        return decision
+
+    def range(self, total: int, *, start: int | None = None) -> Iterator[int]:
+        """Yield the steps still to do (after resuming), acting on decisions between them.
+
+        Stops early when an exit is decided; ``completed`` is True only if ``total`` was reached.
+        """
+        self.start()
+        first = self.resume() if start is None else start
+        for s in range(first, total):
+            yield s
+            if self.step(s + 1).exit:
+                return
+        self.completed = True
+        if self.config.save_at_end and not self._no_save_at_start and self._last_saved_step != total:
+            self.save(total, reason="end of training")
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    @property
+    def checkpoints(self) -> Any:
+        """The checkpoint manager (created on first use)."""
+        if self._checkpoints is None:
+            from ..checkpoint import CheckpointConfig, make_manager
+
+            cfg = self.config.checkpoint or CheckpointConfig(root=self.job.checkpoints)
+            self._checkpoints = make_manager(cfg, events=self.events, rank=self.rank,
+                                             world_size=self.world_size, process_group=self._group)
+        return self._checkpoints
+
+    def _require_state(self) -> Mapping[str, Any]:
+        if self.state is None:
+            raise ConfigError("FaultTolerance(state=...): pass the objects to checkpoint, e.g. "
+                              "state={'model': model, 'optimizer': optimizer}")
+        return self.state
+
+    def resume(self) -> int:
+        """Load the newest valid checkpoint into ``state``; return the step to continue from."""
+        self.start()
+        if self._no_save_at_start:
+            return 0
+        step = self.checkpoints.load(self._require_state())
+        self.events.emit("resume", step=step)
+        self._last_saved_step = step
+        return 0 if step is None else int(step)
+
+    def save(self, step: int, *, decision: Decision | None = None, reason: str | None = None) -> Any:
+        """Write a checkpoint of ``state`` at ``step`` through the manager; time it for the budget.
+
+        A failed periodic save logs a warning and training goes on; a failed save on the way
+        out raises, so the process exits non-zero and the requeue policy sees a crash.
+        """
+        why = reason or ("; ".join(decision.reasons) if decision else f"periodic (every {self.config.save_every} steps)")
+        pin = bool(decision and decision.pin)
+        began = self._clock()
+        try:
+            info = self.checkpoints.save(step, self._require_state(), pin=pin, reason=why)
+        except CheckpointError as exc:
+            self.events.emit("save-failed", step=step, reason=why, error=str(exc))
+            if decision is not None and decision.exit:
+                raise
+            log.warning("checkpoint at step %d failed, training continues: %s", step, exc)
+            return None
+        ended = self._clock()
+        self._last_save_end = ended
+        self._last_check = ended  # a save is not part of the next step's time
+        self._last_saved_step = step
+        self.budget.record_save(ended - began)
+        if decision is not None:
+            self._consume(decision)
+        return info
+
+    def _consume(self, decision: Decision) -> None:
+        """Once a checkpoint is durable: remove the save-switch and handled request files."""
+        if self.rank != 0:
+            return
+        cutoff = self._handled_wall.get(Source.SAVE_SWITCH)
+        if Source.SAVE_SWITCH in decision.sources and cutoff is not None:
+            path = self.job.save_switch
+            try:
+                st = os.lstat(path)
+                if st.st_mtime <= cutoff and not os.path.islink(path) and os.path.isfile(path):
+                    path.unlink()
+                    self.events.emit("switch-removed", step=decision.step, path=str(path))
+            except FileNotFoundError:
+                pass
+        cutoff = self._handled_wall.get(Source.REQUEST)
+        if Source.REQUEST in decision.sources and cutoff is not None:
+            for path in self.job.requests.glob("*.json"):
+                try:
+                    if path.stat().st_mtime <= cutoff:
+                        path.unlink()
+                except FileNotFoundError:
+                    continue

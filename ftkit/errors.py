@@ -1,0 +1,41 @@
+"""One small exception hierarchy. Every error carries the exit code the CLI uses."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "FtkitError",
+    "NoCheckpointError",
+    "SlurmError",
+]
+
+
+class FtkitError(Exception):
+    """Base of every error ftkit raises on purpose. ``exit_code`` is what the CLI returns."""
+
+    exit_code = 1
+
+
+class ConfigError(FtkitError, ValueError):
+    """A setting is wrong; the message names the setting and how to fix it."""
+
+    exit_code = 2
+
+
+class CheckpointError(FtkitError):
+    """A checkpoint could not be written, read or validated; the message names the path."""
+
+    exit_code = 3
+
+
+class NoCheckpointError(CheckpointError):
+    """Resume was required but no valid checkpoint exists."""
+
+    exit_code = 4
+
+
+class SlurmError(FtkitError):
+    """A SLURM command failed or SLURM is not reachable."""
+
+    exit_code = 5

@@ -1,0 +1,72 @@
+"""The events log: every trigger, decision, save, delete and requeue as one JSON line.
+
+Lines are appended with a single ``write`` on a file opened with ``O_APPEND``, so lines
+from several ranks or processes on a local filesystem never interleave. Readers skip a
+torn last line (a process killed mid-write) instead of failing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EventLog", "read_events"]
+
+log = logging.getLogger(__name__)
+
+
+class EventLog:
+    """Append-only JSON-lines log shared by every rank of a job.
+
+    Each record has ``time`` (UNIX seconds), ``event`` (a short kind such as ``trigger``,
+    ``decision``, ``save``, ``delete``, ``requeue``), ``rank``, ``host``, ``pid`` and
+    whatever fields the caller adds (``step``, ``reason``, ...).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, rank: int = 0, clock=time.time) -> None:
+        self.path = Path(path)
+        self.rank = rank
+        self._clock = clock
+        self._host = socket.gethostname()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        record: dict[str, Any] = {
+            "time": round(self._clock(), 6),
+            "event": event,
+            "rank": self.rank,
+            "host": self._host,
+            "pid": os.getpid(),
+        }
+        record.update(fields)
+        line = (json.dumps(record, default=str, sort_keys=False) + "\n").encode()
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+        except OSError as exc:  # the audit trail must never stop training
+            log.warning("could not append to events log %s: %s", self.path, exc)
+        return record
+
+
+def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """Yield every complete record of an events log; a missing file yields nothing."""
+    try:
+        with open(path, "rb") as f:
+            for raw in f:
+                if not raw.endswith(b"\n"):
+                    break  # torn last line from a killed writer
+                try:
+                    yield json.loads(raw)
+                except json.JSONDecodeError:
+                    continue
+    except FileNotFoundError:
+        return

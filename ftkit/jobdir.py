@@ -1,0 +1,65 @@
+"""The job directory layout: one place that names every file ftkit reads or writes.
+
+    JOBDIR/
+      save-switch          touch to save at the next step boundary (removed once durable)
+      kill-switch          touch to save and stop for good (stays; later runs exit at once)
+      requests/            request files written by ``ftkit request`` (one JSON each)
+      events.jsonl         the audit trail: one JSON object per line
+      checkpoints/         one directory per step (see ftkit.checkpoint)
+      runs.json            requeue bookkeeping (see ftkit.slurm.requeue)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["JobDir"]
+
+SAVE_SWITCH = "save-switch"
+KILL_SWITCH = "kill-switch"
+REQUESTS = "requests"
+EVENTS = "events.jsonl"
+CHECKPOINTS = "checkpoints"
+RUNS = "runs.json"
+
+
+@dataclass(frozen=True, slots=True)
+class JobDir:
+    """Paths inside one job directory. ``root`` is created on demand, never deleted."""
+
+    root: Path
+
+    @classmethod
+    def of(cls, path: str | os.PathLike[str]) -> JobDir:
+        return cls(Path(path).expanduser().absolute())
+
+    @property
+    def save_switch(self) -> Path:
+        return self.root / SAVE_SWITCH
+
+    @property
+    def kill_switch(self) -> Path:
+        return self.root / KILL_SWITCH
+
+    @property
+    def requests(self) -> Path:
+        return self.root / REQUESTS
+
+    @property
+    def events(self) -> Path:
+        return self.root / EVENTS
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS
+
+    @property
+    def runs(self) -> Path:
+        return self.root / RUNS
+
+    def ensure(self) -> JobDir:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.requests.mkdir(exist_ok=True)
+        return self

@@ -1,0 +1,82 @@
+"""Two ranks over gloo: a trigger seen by one rank gives both the same decision at the same step."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ftkit.control.agreement import AgreementConfig, Flag, decode_flags, encode
+from ftkit.decision import Action, Request, Source
+from ftkit.errors import ConfigError
+from tests.conftest import wait_for
+from tests.test_signals import PROGRAM, decisions
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_ranks(jobdir: Path, *extra: str, world: int = 2) -> list[subprocess.Popen]:
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port, "PYTHONUNBUFFERED": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(PROGRAM), str(jobdir), "100000", "0.005", *extra],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    wait_for(lambda: all((jobdir / f"ready-rank{r}").exists() for r in range(world))
+             or any(p.poll() is not None for p in procs), 90, what="ranks ready")
+    return procs
+
+
+@pytest.mark.parametrize(("signalled_rank", "every"), [(1, 1), (1, 7), (0, 5)])
+def test_only_one_rank_sees_the_signal_both_decide_at_the_same_step(tmp_path: Path, signalled_rank, every) -> None:
+    procs = start_ranks(tmp_path, "--every", str(every))
+    try:
+        # let them run a little so the decision is not at the first check
+        events = tmp_path / "events.jsonl"
+        wait_for(lambda: events.read_text().count('"start"') >= 2, 30, what="both ranks started")
+        os.kill(procs[signalled_rank].pid, signal.SIGUSR1)
+        outs = [p.communicate(timeout=90)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    d0, d1 = decisions(tmp_path, 0), decisions(tmp_path, 1)
+    assert len(d0) == len(d1) == 1, (d0, d1)
+    assert d0[0]["step"] == d1[0]["step"]
+    assert d0[0]["step"] % every == 0 or d0[0]["step"] == 1
+    assert d0[0]["action"] == d1[0]["action"] == "SAVE_EXIT"
+    assert d0[0]["requeue"] is d1[0]["requeue"] is True
+    mine, other = (d0, d1) if signalled_rank == 0 else (d1, d0)
+    assert mine[0]["reasons"] == ["SIGUSR1 received"]
+    assert other[0]["reasons"] == ["signal (seen by another rank)"]
+
+
+def test_flags_roundtrip_and_kill_wins_over_requeue() -> None:
+    reqs = [
+        Request(Action.SAVE_EXIT, Source.SIGNAL, "USR1", requeue=True),
+        Request(Action.SAVE_EXIT, Source.KILL_SWITCH, "kill", requeue=False, pin=True),
+    ]
+    action, requeue, pin, sources = decode_flags(encode(reqs))
+    assert action == Action.SAVE_EXIT and requeue is False and pin
+    assert sources == {Source.SIGNAL, Source.KILL_SWITCH}
+    flags = encode([Request(Action.SAVE, Source.SAVE_SWITCH, "s")], no_save=True)
+    assert flags[Flag.NO_SAVE] == 1
+    assert decode_flags(flags)[0] == Action.EXIT  # kill-switch at start: exit, write nothing
+
+
+@pytest.mark.parametrize("every", [0, -3, 2.5])
+def test_bad_cadence(every) -> None:
+    with pytest.raises(ConfigError, match="agreement.every"):
+        AgreementConfig(every=every)
