@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FtkitError as exc:
         from rich.console import Console
 
-        Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {exc}", highlight=False)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130

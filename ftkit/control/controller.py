@@ -117,6 +117,7 @@ class FaultTolerance:
                         self.job.kill_switch)
         self._signals.start()
         self._watcher.start()
+        self.budget.start()
         if self.world_size > 1:
             self._collective = Collective(self.config.agreement, self._group)
         from ..slurm.env import SlurmEnv
@@ -169,6 +170,11 @@ class FaultTolerance:
         self.box.post(Request(act, Source.API, reason, requeue=requeue, created=self._clock()))
 
     @property
+    def last_saved_step(self) -> int | None:
+        """Step of the newest checkpoint this run saved or resumed from (None: none yet)."""
+        return self._last_saved_step
+
+    @property
     def stopping(self) -> bool:
         """True once an exit has been decided (or a kill-switch was present at start)."""
         return self._final is not None or self._no_save_at_start
@@ -185,7 +191,9 @@ class FaultTolerance:
             return self._final
         if self.box.pending:
             self._take(self.box.drain(), step)
-        if self.budget.due():
+        # Between agreements a trigger waits up to ``every`` steps: look that far ahead.
+        ahead = (self._every - 1) * self.budget.step_estimate if self._collective is not None else 0.0
+        if self.budget.due(self._wallclock() + ahead):
             self._take([self.budget.request()], step)
         if self._collective is not None:
             if not (self._first_check or step % self._every == 0):

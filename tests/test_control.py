@@ -1,0 +1,118 @@
+"""The between-steps decision with real files and real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import ftkit
+from ftkit.decision import Action, Source
+from ftkit.events import read_events
+from tests.conftest import wait_for
+from tests.test_signals import decisions, start_loop
+
+
+def ftkit_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ftkit", *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("polling", [False, True])
+@pytest.mark.parametrize(("switch", "action", "requeue"), [("save", "SAVE", None), ("kill", "SAVE_EXIT", False)])
+def test_switch_touched_by_cli_reaches_running_loop(tmp_path: Path, polling, switch, action, requeue) -> None:
+    proc = start_loop(tmp_path, 3000, 0.01, *(["--polling"] if polling else []))
+    try:
+        out = ftkit_cli(switch, str(tmp_path))
+        assert out.returncode == 0, out.stderr
+        wait_for(lambda: decisions(tmp_path), 20, what=f"{switch}-switch decision")
+    finally:
+        proc.kill() if switch == "save" else None
+        proc.communicate(timeout=60)
+    got = decisions(tmp_path)
+    assert got[0]["action"] == action and got[0]["requeue"] is requeue
+    assert got[0]["sources"] == [f"{switch}-switch"]
+
+
+def test_kill_switch_present_at_start_exits_at_once_without_saving(tmp_path: Path) -> None:
+    ftkit_cli("kill", str(tmp_path))
+    proc = start_loop(tmp_path, 3000, 0.01)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    got = decisions(tmp_path)
+    assert got[0]["step"] == 1 and got[0]["action"] == "EXIT" and got[0]["requeue"] is False
+    assert "present at start" in got[0]["reasons"][0]
+    assert (tmp_path / "kill-switch").exists()  # the kill-switch stays
+    assert not (tmp_path / "checkpoints").exists()  # nothing new was saved
+    assert ftkit_cli("kill", "--clear", str(tmp_path)).returncode == 0
+    assert not (tmp_path / "kill-switch").exists()
+
+
+@pytest.mark.parametrize(("action", "expect", "requeue"),
+                         [("requeue", "SAVE_EXIT", True), ("stop", "SAVE_EXIT", False), ("save", "SAVE", None)])
+def test_request_file_from_another_process(tmp_path: Path, action, expect, requeue) -> None:
+    proc = start_loop(tmp_path, 3000, 0.01)
+    try:
+        out = ftkit_cli("request", action, str(tmp_path), "--reason", "batch script trap")
+        assert out.returncode == 0, out.stderr
+        wait_for(lambda: decisions(tmp_path), 20, what="request decision")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=60)
+    got = decisions(tmp_path)[0]
+    assert got["action"] == expect and got["requeue"] is requeue and got["sources"] == ["request"]
+    assert "batch script trap" in got["reasons"][0]
+
+
+def test_time_budget_from_env_deadline(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("FTKIT_DEADLINE", str(time.time() + 33.0))  # margin 30 s + step + save estimate
+    proc = start_loop(tmp_path, 100000, 0.01)
+    proc.communicate(timeout=60)
+    got = decisions(tmp_path)
+    assert got and got[0]["action"] == "SAVE_EXIT" and got[0]["requeue"] is True
+    assert got[0]["sources"] == ["time-budget"] and got[0]["reasons"][0].startswith("time budget:")
+
+
+def test_burst_while_saving_changes_only_the_log(tmp_path: Path) -> None:
+    """Save requests that arrive before a save has finished are covered by it."""
+
+    class SlowState:
+        def state_dict(self):
+            return {"x": 1}
+
+        def load_state_dict(self, sd):
+            pass
+
+    with ftkit.FaultTolerance(tmp_path, state={"s": SlowState()}) as ft:
+        ft.request("save", reason="first")
+        d = ft.step(1)
+        assert d.save and d.reasons == ("first",)
+        ft.box.post(ftkit.decision.Request(Action.SAVE, Source.SIGNAL, "late", created=0.0))  # created before the save ended
+        assert not ft.check(2)
+        ft.request("save", reason="after")
+        assert ft.check(3).save
+    events = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "trigger"]
+    assert [(e["reason"], e["ignored"] is not None) for e in events] == [
+        ("first", False), ("late", True), ("after", False)]
+
+
+def test_status_json_shows_pending_switches_and_events(tmp_path: Path) -> None:
+    ftkit_cli("save", str(tmp_path))
+    ftkit_cli("request", "stop", str(tmp_path))
+    (tmp_path / "events.jsonl").write_text(json.dumps({"time": 1.0, "event": "start", "rank": 0}) + "\n")
+    out = ftkit_cli("status", "--json", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    assert status["save_switch"] is True and status["kill_switch"] is False
+    assert [r["action"] for r in status["requests"]] == ["stop"]
+    assert status["events"][0]["event"] == "start"
+
+
+def test_status_on_missing_jobdir_names_it(tmp_path: Path) -> None:
+    out = ftkit_cli("status", str(tmp_path / "nope"))
+    assert out.returncode == 2 and "nope" in out.stderr and "does not exist" in out.stderr
