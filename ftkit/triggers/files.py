@@ -1,0 +1,493 @@
+"""Switch files and request files -> requests.
+
+Touching ``JOBDIR/save-switch`` asks for a save at the next step boundary, touching
+``JOBDIR/kill-switch`` asks to save and stop for good, and ``ftkit request ...`` drops a
+small JSON file into ``JOBDIR/requests/``. :class:`SwitchWatcher` watches those paths with
+watchdog and posts one :class:`~ftkit.decision.Request` per touch to a
+:class:`~ftkit.decision.RequestBox`.
+
+inotify does not see changes made on another node of a network filesystem (NFS, Lustre,
+GPFS, ...), so in ``auto`` mode the watcher polls when the job directory lives on one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import stat
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers.api import BaseObserver
+
+from ..decision import Action, Request, RequestBox, Source, parse_action
+from ..errors import ConfigError
+from ..jobdir import JobDir
+
+__all__ = [
+    "NETWORK_FSTYPES",
+    "SwitchWatcher",
+    "WatchConfig",
+    "detect_network_fs",
+    "touch_switch",
+    "write_request",
+]
+
+log = logging.getLogger(__name__)
+
+_MODES = ("auto", "native", "polling", "off")
+
+#: Filesystem types on which inotify misses changes made from other hosts.
+NETWORK_FSTYPES = frozenset(
+    {
+        "nfs", "nfs4", "lustre", "gpfs", "beegfs", "ceph", "fuse.ceph-fuse", "cifs", "smb3",
+        "smbfs", "glusterfs", "fuse.glusterfs", "panfs", "wekafs", "fuse.sshfs", "afs",
+        "orangefs", "pvfs2", "cvfs", "fuse.juicefs", "fuse.s3fs", "fuse.gcsfuse",
+        "fuse.lizardfs", "fuse.moosefs", "fuse.mfs",
+    }
+)  # fmt: skip
+
+_MAX_REQUEST_BYTES = 64 * 1024
+# Changes to the same file (same inode) less than this apart in mtime are one touch:
+# `touch` creates the file and then sets its times, `echo > f` creates and then writes,
+# and a watcher thread may look in between. A touch a second or more later posts again.
+_SAME_TOUCH_NS = 1_000_000_000
+_HANDLED_EVENTS = frozenset({"created", "modified", "moved", "closed", "attrib"})
+
+
+@dataclass(kw_only=True, slots=True)
+class WatchConfig:
+    """How the switch files and request files of a job directory are watched."""
+
+    mode: str = "auto"
+    """``auto`` (poll on network filesystems, inotify elsewhere), ``native`` (always the
+    platform observer), ``polling`` (always poll) or ``off`` (ignore switch files)."""
+
+    poll_interval: float = 1.0
+    """Seconds between two scans of the job directory when polling (> 0)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, str) or self.mode not in _MODES:
+            raise ConfigError(f"watch.mode: got {self.mode!r}; use one of {', '.join(_MODES)}")
+        interval = self.poll_interval
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)):
+            raise ConfigError(
+                f"watch.poll_interval: got {interval!r}; give seconds as a number > 0"
+            )
+        if not (0 < interval < float("inf")):
+            raise ConfigError(
+                f"watch.poll_interval: got {interval!r}; give a positive number of seconds, e.g. 1.0"
+            )
+        self.poll_interval = float(interval)
+
+
+# --------------------------------------------------------------------------------------
+# network filesystem detection
+
+
+def _unescape_mount(field: str) -> str:
+    """Undo the octal escapes of /proc/mounts (``\\040`` is a space, ``\\134`` a backslash)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _under(path: str, mount_point: str) -> bool:
+    if mount_point == "/":
+        return path.startswith("/")
+    return path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
+
+
+def detect_network_fs(
+    path: str | os.PathLike[str], *, mounts: str | os.PathLike[str] = "/proc/self/mounts"
+) -> str | None:
+    """The fstype of the network/cluster filesystem holding ``path``, else None.
+
+    Reads the mount table ``mounts`` and picks the longest mount point containing the
+    resolved path (the last one listed wins for stacked mounts). Returns None when the
+    table cannot be read (not Linux) or the filesystem is local.
+    """
+    target = os.path.realpath(path)
+    best: tuple[int, str] | None = None
+    try:
+        with open(mounts, encoding="utf-8", errors="surrogateescape") as f:
+            lines = f.read().splitlines()
+    except OSError as exc:
+        log.debug("cannot read mount table %s: %s", mounts, exc)
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount_point, fstype = _unescape_mount(fields[1]), fields[2]
+        if _under(target, mount_point) and (best is None or len(mount_point) >= best[0]):
+            best = (len(mount_point), fstype)
+    if best is None:
+        return None
+    fstype = best[1]
+    return fstype if fstype.lower() in NETWORK_FSTYPES else None
+
+
+# --------------------------------------------------------------------------------------
+# writers: ftkit request ..., the batch script's signal trap, tests
+
+
+def _job_dir(job_dir: JobDir | str | os.PathLike[str]) -> JobDir:
+    return job_dir if isinstance(job_dir, JobDir) else JobDir.of(job_dir)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_request(
+    job_dir: JobDir | str | os.PathLike[str], action: str, *, reason: str = ""
+) -> Path:
+    """Atomically drop a request file into ``JOBDIR/requests/``; returns its path.
+
+    ``action`` is one of the names :func:`ftkit.decision.parse_action` accepts. The file
+    appears complete or not at all (temp file, fsync, ``os.replace``, fsync the directory).
+    """
+    parse_action(action)  # raises ConfigError naming the accepted actions
+    name = action.strip().lower().replace("_", "-")
+    jd = _job_dir(job_dir)
+    if not jd.root.is_dir():
+        raise ConfigError(f"job directory {jd.root} does not exist; check the JOBDIR argument")
+    jd.requests.mkdir(exist_ok=True)
+    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
+    pid = os.getpid()
+    final = jd.requests / f"{time.time_ns()}-{host}-{pid}-{name}.json"
+    tmp = jd.requests / f".{final.name}.tmp"
+    payload = {"action": name, "reason": reason, "created": time.time(), "pid": pid, "host": host}
+    data = (json.dumps(payload) + "\n").encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(jd.requests)
+    return final
+
+
+def touch_switch(job_dir: JobDir | str | os.PathLike[str], which: str) -> Path:
+    """Create or re-touch ``JOBDIR/save-switch`` (``which="save"``) or ``kill-switch``.
+
+    Sets the modification time explicitly (nanoseconds), so two touches in quick
+    succession are still two distinct touches for the watcher.
+    """
+    jd = _job_dir(job_dir)
+    paths = {"save": jd.save_switch, "kill": jd.kill_switch}
+    if which not in paths:
+        raise ConfigError(f"which: got {which!r}; use 'save' or 'kill'")
+    path = paths[which]
+    jd.root.mkdir(parents=True, exist_ok=True)
+    try:
+        if not os.path.lexists(path):
+            # Create complete, with its final times, in one step: one touch, one identity.
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(b"")
+            now = time.time_ns()
+            os.utime(tmp, ns=(now, now))
+            os.replace(tmp, path)
+            return path
+        fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise ConfigError(
+            f"{path}: cannot touch the {which} switch ({exc.strerror}); remove whatever "
+            "is there so a regular file can be created"
+        ) from exc
+    try:
+        before = os.fstat(fd).st_mtime_ns
+        now = max(time.time_ns(), before + 1)
+        os.utime(fd, ns=(now, now))
+    finally:
+        os.close(fd)
+    return path
+
+
+# --------------------------------------------------------------------------------------
+# the watcher
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def _switch_request(source: Source, path: str) -> Request:
+    if source is Source.SAVE_SWITCH:
+        return Request(
+            Action.SAVE, source, reason=f"save-switch touched ({path})", pin=True, origin=path
+        )
+    return Request(
+        Action.SAVE_EXIT,
+        source,
+        reason=f"kill-switch touched ({path})",
+        requeue=False,
+        pin=True,
+        origin=path,
+    )
+
+
+class SwitchWatcher:
+    """Watches a job directory's switch files and request files; posts requests.
+
+    Use as a context manager (``with SwitchWatcher(jd, box, cfg): ...``) or call
+    :meth:`start` / :meth:`close`. Files already present at start post too (a switch
+    touched while the job was queued is honoured). Each file posts once per touch, however
+    many events the observer delivers: posts are keyed by (inode, mtime_ns, size).
+    """
+
+    def __init__(
+        self,
+        job_dir: JobDir,
+        box: RequestBox,
+        config: WatchConfig | None = None,
+        *,
+        mounts: str | os.PathLike[str] = "/proc/self/mounts",
+    ) -> None:
+        self.job_dir = job_dir
+        self.box = box
+        self.config = config if config is not None else WatchConfig()
+        self.network_fs: str | None = None
+        self._why: str
+        mode = self.config.mode
+        if mode == "off":
+            self.observer_kind, self._why = "off", "watch.mode=off"
+        elif mode in ("native", "polling"):
+            self.observer_kind, self._why = mode, f"watch.mode={mode}"
+            self.network_fs = detect_network_fs(job_dir.root, mounts=mounts)
+        else:
+            self.network_fs = detect_network_fs(job_dir.root, mounts=mounts)
+            if self.network_fs:
+                self.observer_kind = "polling"
+                self._why = f"{job_dir.root} is on {self.network_fs}, inotify misses remote changes"
+            else:
+                self.observer_kind, self._why = "native", f"{job_dir.root} is on a local filesystem"
+        self._observer: BaseObserver | None = None
+        self._lock = threading.RLock()
+        self._seen: dict[str, tuple[int, int, int]] = {}  # last identity looked at
+        self._posted: dict[str, tuple[int, int]] = {}  # (inode, mtime_ns) last posted
+        self._warned: set[object] = set()
+        self._switches = {
+            os.path.normpath(job_dir.save_switch): Source.SAVE_SWITCH,
+            os.path.normpath(job_dir.kill_switch): Source.KILL_SWITCH,
+        }
+        self._requests_dir = os.path.normpath(job_dir.requests)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> SwitchWatcher:
+        if self._observer is not None or self.observer_kind == "off":
+            if self.observer_kind == "off":
+                log.info("switch files are not watched (%s)", self._why)
+            return self
+        self.job_dir.ensure()
+        try:
+            self._observer = self._start_observer(self.observer_kind)
+        except OSError as exc:  # e.g. the inotify watch limit is reached
+            if self.observer_kind != "native":
+                raise
+            log.warning(
+                "cannot start the native file observer (%s); polling %s every %.3g s instead",
+                exc,
+                self.job_dir.root,
+                self.config.poll_interval,
+            )
+            self.observer_kind, self._why = "polling", f"native observer failed: {exc}"
+            self._observer = self._start_observer("polling")
+        if self.observer_kind == "polling":
+            log.info(
+                "watching %s by polling every %.3g s (%s)",
+                self.job_dir.root,
+                self.config.poll_interval,
+                self._why,
+            )
+        elif self.network_fs:
+            log.warning(
+                "watching %s with the native observer although it is on %s: touches from "
+                "other hosts may go unseen; set watch.mode to auto or polling",
+                self.job_dir.root,
+                self.network_fs,
+            )
+        else:
+            log.info("watching %s with the native observer (%s)", self.job_dir.root, self._why)
+        # The observers took their first snapshot / added their watches synchronously in
+        # start(), so a file created from now on is seen by one of the two paths (or both;
+        # the identity check drops the duplicate).
+        self._scan()
+        return self
+
+    def _start_observer(self, kind: str) -> BaseObserver:
+        observer: BaseObserver
+        if kind == "polling":
+            from watchdog.observers.polling import PollingObserver
+
+            observer = PollingObserver(timeout=self.config.poll_interval)
+        else:
+            from watchdog.observers import Observer
+
+            observer = Observer()
+        handler = _Handler(self)
+        observer.schedule(handler, str(self.job_dir.root), recursive=False)
+        observer.schedule(handler, self._requests_dir, recursive=False)
+        try:
+            observer.start()
+        except BaseException:
+            observer.stop()
+            raise
+        return observer
+
+    def close(self) -> None:
+        observer, self._observer = self._observer, None
+        if observer is None:
+            return
+        observer.stop()
+        if observer.is_alive():
+            observer.join(timeout=max(5.0, 3 * self.config.poll_interval))
+            if observer.is_alive():  # a stat stuck on a dead network mount; it is a daemon
+                log.warning("file observer for %s did not stop in time", self.job_dir.root)
+
+    def __enter__(self) -> SwitchWatcher:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- event handling (observer thread, and the caller's thread for the first scan) --
+
+    def _scan(self) -> None:
+        for path in self._switches:
+            self._consider(path)
+        try:
+            entries = sorted(os.listdir(self._requests_dir))
+        except OSError as exc:
+            log.warning("cannot list %s: %s", self._requests_dir, exc)
+            return
+        for name in entries:
+            self._consider(os.path.join(self._requests_dir, name))
+
+    def _on_event(self, event: FileSystemEvent) -> None:
+        kind = event.event_type
+        if kind not in _HANDLED_EVENTS and kind != "deleted":
+            return
+        src = os.path.normpath(os.fsdecode(event.src_path))
+        if kind in ("deleted", "moved"):
+            with self._lock:
+                self._seen.pop(src, None)
+                self._posted.pop(src, None)
+        if kind == "moved":
+            self._consider(os.path.normpath(os.fsdecode(event.dest_path)))
+        elif kind != "deleted":
+            self._consider(src)
+
+    def _consider(self, path: str) -> None:
+        """Post the request behind ``path`` if it names a switch/request file not yet seen."""
+        switch = self._switches.get(path)
+        if switch is None:
+            parent, name = os.path.split(path)
+            if parent != self._requests_dir or name.startswith(".") or not name.endswith(".json"):
+                return
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            self._warn_once(("stat", path), "cannot stat %s: %s", path, exc)
+            return
+        if not stat.S_ISREG(st.st_mode):
+            self._warn_once(
+                ("type", path, st.st_ino),
+                "ignoring %s: not a regular file (symlinks and directories do not count)",
+                path,
+            )
+            return
+        ident = _identity(st)
+        with self._lock:  # held while reading: only the first scan ever contends
+            if self._seen.get(path) == ident:
+                return
+            self._seen[path] = ident
+            posted = self._posted.get(path)
+            if (
+                posted is not None
+                and posted[0] == st.st_ino
+                and abs(st.st_mtime_ns - posted[1]) < _SAME_TOUCH_NS
+            ):
+                return  # the tail of a touch already posted (create, then set times/write)
+            if switch is not None:
+                request: Request | None = _switch_request(switch, path)
+            elif st.st_size == 0:
+                return  # being written by a non-atomic writer; the write brings another event
+            else:
+                request = self._read_request(path, ident)
+            if request is None:
+                return
+            self._posted[path] = (st.st_ino, st.st_mtime_ns)
+        log.info("%s -> %s", path, request.reason)
+        self.box.post(request)
+
+    def _read_request(self, path: str, ident: tuple[int, int, int]) -> Request | None:
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(_MAX_REQUEST_BYTES + 1)
+            if len(raw) > _MAX_REQUEST_BYTES:
+                raise ValueError(f"larger than {_MAX_REQUEST_BYTES} bytes")
+            data = json.loads(raw)
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+            action_name = data.get("action")
+            if not isinstance(action_name, str):
+                raise ValueError("no 'action' string")
+            action, requeue = parse_action(action_name, setting=f"request file {path}")
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:  # ConfigError and JSONDecodeError are ValueErrors
+            self._warn_once(("parse", path, ident), "ignoring request file %s: %s", path, exc)
+            return None
+        reason = f"{action_name.strip().lower()} requested"
+        if data.get("host") or data.get("pid"):
+            reason += f" by {data.get('host', '?')}:{data.get('pid', '?')}"
+        if isinstance(data.get("reason"), str) and data["reason"]:
+            reason += f": {data['reason']}"
+        return Request(
+            action, Source.REQUEST, reason=f"{reason} ({path})", requeue=requeue, origin=path
+        )
+
+    def _warn_once(self, key: object, msg: str, *args: object) -> None:
+        with self._lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        log.warning(msg, *args)
+
+
+class _Handler(FileSystemEventHandler):
+    """Forwards watchdog events to the watcher; an exception is logged, never raised."""
+
+    def __init__(self, watcher: SwitchWatcher) -> None:
+        super().__init__()
+        self._watcher = watcher
+
+    def dispatch(self, event: FileSystemEvent) -> None:
+        try:
+            self._watcher._on_event(event)
+        except Exception:
+            log.exception("switch watcher: error while handling %s", event)
