@@ -39,7 +39,7 @@ def _instructions(jobdir: Path) -> str:
 def _demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    console = Console()
+    console = Console(soft_wrap=True)
     if args.slurm:
         return _submit(args, console)
 

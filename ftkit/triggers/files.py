@@ -345,6 +345,7 @@ class SwitchWatcher:
         else:
             from watchdog.observers import Observer
 
+            _quiet_inotify_stop_race()
             observer = Observer()
         handler = _Handler(self)
         observer.schedule(handler, str(self.job_dir.root), recursive=False)
@@ -477,6 +478,20 @@ class SwitchWatcher:
                 return
             self._warned.add(key)
         log.warning(msg, *args)
+
+
+class _StopRaceFilter(logging.Filter):
+    """watchdog 7 logs an ERROR when an event arrives while its inotify thread is stopping
+    (an event for the events log, say). Nothing is lost: we are closing. Drop just that line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "called when the thread is inactive" not in record.getMessage()
+
+
+def _quiet_inotify_stop_race() -> None:
+    target = logging.getLogger("watchdog.observers.inotify")
+    if not any(isinstance(f, _StopRaceFilter) for f in target.filters):
+        target.addFilter(_StopRaceFilter())
 
 
 class _Handler(FileSystemEventHandler):
