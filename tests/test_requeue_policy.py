@@ -1,0 +1,433 @@
+"""The requeue policy and the exit path, with the scontrol and sbatch call points patched.
+
+The ``scontrol show job -o`` lines are trimmed recordings from SLURM 22.05.8 (the local
+cluster of scripts/slurm-cluster): a running job, a job in a preemption's GraceTime
+(still RUNNING, PreemptTime set), a time-limited job being killed (COMPLETING,
+Reason=TimeLimit), and the states after a preemption kill.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from ftkit.cli import main
+from ftkit.errors import ConfigError, SlurmError
+from ftkit.events import EventLog, read_events
+from ftkit.slurm import env as slurm_env
+from ftkit.slurm import requeue as rq
+from ftkit.slurm.env import SlurmEnv
+from ftkit.slurm.requeue import EXIT_UNFINISHED, RequeuePolicy, decide, finish_run, perform
+
+_TAIL = ("Partition=low NodeList=vm BatchHost=vm NumNodes=1 NumCPUs=1 "
+         "TRES=cpu=1,mem=2885M,node=1,billing=1 Command={cmd} WorkDir={wd} StdOut={wd}/train-100.out")
+
+
+def job_line(state: str = "RUNNING", *, reason: str = "None", restarts: int = 0, preempt: str = "None",
+             cmd: str = "/tmp/train.sbatch", wd: str = "/tmp") -> str:
+    return (f"JobId=100 JobName=train UserId=root(0) GroupId=root(0) Priority=4294901724 Nice=0 "
+            f"Account=(null) QOS=(null) JobState={state} Reason={reason} Dependency=(null) Requeue=1 "
+            f"Restarts={restarts} BatchFlag=1 Reboot=0 ExitCode=0:0 RunTime=00:10:00 TimeLimit=01:00:00 "
+            f"StartTime=2026-11-22T16:50:18 EndTime=2026-11-22T17:50:18 PreemptTime={preempt} "
+            + _TAIL.format(cmd=cmd, wd=wd) + "\n")
+
+
+RUNNING = job_line()
+GRACE = job_line(preempt="2026-11-22T16:50:36")
+TIMELIMIT = job_line("COMPLETING", reason="TimeLimit")
+TIMEOUT = job_line("TIMEOUT", reason="TimeLimit")
+PREEMPTED = job_line("PREEMPTED")
+REQUEUED = job_line("COMPLETING", restarts=1)  # preemption kill: SLURM requeued it already
+PENDING = job_line("PENDING", reason="BeginTime", restarts=1)
+
+
+class FakeScontrol:
+    """Stands in for run_scontrol: answers ``show job`` from a script of lines, records calls."""
+
+    def __init__(self, *shows: str, requeue_error: str | None = None, jobdir: Path | None = None) -> None:
+        self.shows = list(shows)
+        self.requeue_error = requeue_error
+        self.calls: list[list[str]] = []
+        self.jobdir = jobdir
+        self.runs_at_requeue: list[dict] | None = None
+
+    def __call__(self, args, **_):
+        args = list(args)
+        self.calls.append(args)
+        if args[0] == "show":
+            if not self.shows:
+                raise SlurmError("`scontrol show job` failed (exit 1): Invalid job id specified")
+            return self.shows.pop(0) if len(self.shows) > 1 else self.shows[0]
+        if args[0] == "requeue":
+            if self.jobdir is not None:
+                self.runs_at_requeue = rq.read_runs(self.jobdir / "runs.json")
+            if self.requeue_error:
+                raise SlurmError(self.requeue_error)
+            return ""
+        raise AssertionError(f"unexpected scontrol {args}")
+
+    @property
+    def requeued(self) -> list[str]:
+        return [a[1] for a in self.calls if a[0] == "requeue"]
+
+
+class Missing(FakeScontrol):
+    def __call__(self, args, **_):
+        self.calls.append(list(args))
+        raise SlurmError(f"`scontrol {' '.join(args)}`: scontrol is missing (not on PATH)")
+
+
+@pytest.fixture
+def jobdir(tmp_path: Path) -> Path:
+    d = tmp_path / "job"
+    (d / "requests").mkdir(parents=True)
+    return d
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> SlurmEnv:
+    return SlurmEnv(job_id="100", restart_count=0, job_name="train", partition="low", submit_dir=str(tmp_path))
+
+
+def trainer_run(jobdir: Path, *, restart: int = 0, job_id: str = "100", exit: dict | None = None,
+                rank: int = 0) -> None:
+    """What the controller writes: a start event and, unless it died hard, an exit event."""
+    log = EventLog(jobdir / "events.jsonl", rank=rank)
+    log.emit("start", world_size=1, job_id=job_id, restart_count=restart)
+    if exit is not None:
+        log.emit("exit", **{"step": 10, "completed": False, "requeue": None, "reasons": [], **exit})
+
+
+def prior_runs(jobdir: Path, *records: dict) -> None:
+    (jobdir / "runs.json").write_text(json.dumps({"version": 1, "runs": list(records)}))
+
+
+def steps(value):
+    return lambda root: value
+
+
+def run_decide(jobdir, env, fake, *, rc=0, policy=None, step=None):
+    return decide(jobdir, exit_code=rc, env=env, policy=policy or RequeuePolicy(), runner=fake,
+                  checkpoints_lookup=steps(step))
+
+
+# --------------------------------------------------------------------------------------
+# policy config
+
+
+def test_policy_validation_names_the_setting() -> None:
+    with pytest.raises(ConfigError, match=r"requeue\.max_requeues"):
+        RequeuePolicy(max_requeues=-1)
+    with pytest.raises(ConfigError, match=r"requeue\.max_no_progress"):
+        RequeuePolicy(max_no_progress=True)
+    with pytest.raises(ConfigError, match=r"requeue\.fallback: got 'retry'; use one of resubmit, none"):
+        RequeuePolicy(fallback="retry")
+    with pytest.raises(ConfigError, match="FTKIT_MAX_REQUEUES='lots'"):
+        RequeuePolicy.from_env({"FTKIT_MAX_REQUEUES": "lots"})
+    p = RequeuePolicy.from_env({"FTKIT_MAX_REQUEUES": "7", "FTKIT_REQUEUE_ON_CRASH": "0"}, max_requeues=3,
+                               fallback=None)
+    assert (p.max_requeues, p.requeue_on_crash, p.fallback) == (3, False, "resubmit")
+
+
+# --------------------------------------------------------------------------------------
+# decide: each branch
+
+
+def test_completed_is_not_requeued(jobdir, env) -> None:
+    trainer_run(jobdir, exit={"completed": True, "step": 1000})
+    d = run_decide(jobdir, env, FakeScontrol(RUNNING), step=1000)
+    assert (d.requeue, d.cause, d.exit_code) == (False, "completed", 0)
+    assert "training completed (step 1000)" in d.reason
+
+
+def test_trainer_requested_requeue_on_sigusr1(jobdir, env) -> None:
+    trainer_run(jobdir, exit={"requeue": True, "reasons": ["USR1 received"]})
+    d = run_decide(jobdir, env, FakeScontrol(RUNNING), step=10)
+    assert (d.requeue, d.cause, d.exit_code) == (True, "requested (SIGUSR1)", 0)
+    assert d.reason == "requested (SIGUSR1); requeue 1 of at most 20"
+
+
+@pytest.mark.parametrize(("line", "rc", "cause"), [
+    (GRACE, 0, "preemption"),          # trainer saved and exited inside the GraceTime
+    (PREEMPTED, 143, "preemption"),
+    (TIMELIMIT, 0, "time limit"),     # SIGTERM at the limit: COMPLETING, Reason=TimeLimit
+    (TIMEOUT, 137, "time limit"),
+    (REQUEUED, 143, "requeued by SLURM"),
+])
+def test_slurm_state_says_why_it_ended(jobdir, env, line, rc, cause) -> None:
+    trainer_run(jobdir, exit={"reasons": ["TERM received"]} if rc == 0 else None)
+    d = run_decide(jobdir, env, FakeScontrol(line), rc=rc, step=10)
+    assert (d.requeue, d.cause, d.exit_code) == (True, cause, 0)
+    assert d.already_requeued == (line is REQUEUED)
+
+
+def test_clean_exit_without_requeue_wish_is_finished(jobdir, env) -> None:
+    trainer_run(jobdir, exit={"reasons": ["save-exit requested"]})
+    d = run_decide(jobdir, env, FakeScontrol(RUNNING), step=10)
+    assert (d.requeue, d.cause, d.exit_code) == (False, "finished", 0)
+
+
+@pytest.mark.parametrize("how", ["kill-switch", "stop-request", "trainer-stop"])
+def test_stopped_for_good_is_never_requeued(jobdir, env, how) -> None:
+    if how == "kill-switch":
+        (jobdir / "kill-switch").touch()
+        trainer_run(jobdir, exit={"requeue": True, "reasons": ["USR1 received"]})
+    elif how == "stop-request":
+        (jobdir / "requests" / "1-h-1-stop.json").write_text(json.dumps({"action": "stop", "reason": "done"}))
+        trainer_run(jobdir)
+    else:
+        trainer_run(jobdir, exit={"requeue": False, "reasons": ["kill-switch touched"]})
+    d = run_decide(jobdir, env, FakeScontrol(PREEMPTED), rc=0, step=10)  # even when preempted
+    assert (d.requeue, d.cause, d.exit_code) == (False, "stopped", 0)
+
+
+def test_cancelled_job_is_not_requeued(jobdir, env) -> None:
+    trainer_run(jobdir, exit={"reasons": ["TERM received"]})
+    d = run_decide(jobdir, env, FakeScontrol(job_line("CANCELLED")), rc=0, step=10)
+    assert (d.requeue, d.cause) == (False, "stopped") and "cancelled" in d.reason
+
+
+def test_requeue_cap_from_slurm_restart_count(jobdir, env) -> None:
+    env = SlurmEnv(job_id="100", restart_count=20)
+    trainer_run(jobdir, restart=20, exit={"requeue": True, "reasons": ["USR1 received"]})
+    d = run_decide(jobdir, env, FakeScontrol(RUNNING), step=10)
+    assert (d.requeue, d.exit_code) == (False, EXIT_UNFINISHED)
+    assert d.reason.startswith("requeue cap reached: 20 requeues (FTKIT_MAX_REQUEUES / --max-requeues = 20)")
+
+
+def test_requeue_cap_counts_resubmissions_in_runs_json(jobdir, env) -> None:
+    # resubmitted jobs start SLURM_RESTART_COUNT at 0 again; runs.json remembers
+    prior_runs(jobdir, {"requeue": False, "cause": "completed"},
+               *[{"requeue": True, "cause": "time limit", "end_step": i} for i in range(3)])
+    trainer_run(jobdir, exit={"requeue": True, "reasons": ["USR1 received"]})
+    d = run_decide(jobdir, env, FakeScontrol(RUNNING), policy=RequeuePolicy(max_requeues=3), step=10)
+    assert not d.requeue and d.requeues == 3 and "requeue cap reached: 3 requeues" in d.reason
+    assert run_decide(jobdir, env, FakeScontrol(RUNNING), policy=RequeuePolicy(max_requeues=4), step=10).requeue
+
+
+def test_cap_keeps_a_crash_exit_code(jobdir, env) -> None:
+    env = SlurmEnv(job_id="100", restart_count=2)
+    d = run_decide(jobdir, env, FakeScontrol(RUNNING), rc=1, policy=RequeuePolicy(max_requeues=2), step=5)
+    assert (d.requeue, d.exit_code) == (False, 1)
+
+
+def test_crash_with_progress_is_requeued(jobdir, env) -> None:
+    prior_runs(jobdir, {"requeue": True, "cause": "time limit", "end_step": 100})
+    trainer_run(jobdir)  # died hard: no exit event
+    d = run_decide(jobdir, env, FakeScontrol(RUNNING), rc=137, step=150)
+    assert (d.requeue, d.cause, d.exit_code) == (True, "crash", 0)
+    assert d.run["progress"] and d.run["start_step"] == 100 and d.run["end_step"] == 150
+
+
+def test_crash_without_progress_is_requeued_up_to_max_no_progress(jobdir, env) -> None:
+    policy = RequeuePolicy(max_no_progress=2)
+    history = [{"requeue": True, "cause": "time limit", "end_step": 100, "progress": True}]
+    outcomes = []
+    for _ in range(3):
+        prior_runs(jobdir, *history)
+        d = run_decide(jobdir, env, FakeScontrol(RUNNING), rc=1, policy=policy, step=100)
+        outcomes.append(d.requeue)
+        history.append(dict(d.run))
+    assert outcomes == [True, True, False]
+    assert "without a newer checkpoint 3 times in a row" in d.reason and "FTKIT_MAX_NO_PROGRESS" in d.reason
+    assert d.exit_code == 1
+
+
+def test_progress_resets_the_no_progress_streak(jobdir, env) -> None:
+    prior_runs(jobdir, {"cause": "crash", "progress": False, "requeue": True, "end_step": 100},
+               {"cause": "crash", "progress": False, "requeue": True, "end_step": 100})
+    assert not run_decide(jobdir, env, FakeScontrol(RUNNING), rc=1, step=100).requeue
+    assert run_decide(jobdir, env, FakeScontrol(RUNNING), rc=1, step=120).requeue
+
+
+def test_requeue_on_crash_off(jobdir, env) -> None:
+    d = run_decide(jobdir, env, FakeScontrol(RUNNING), rc=3, policy=RequeuePolicy(requeue_on_crash=False), step=9)
+    assert (d.requeue, d.exit_code) == (False, 3) and "requeue_on_crash is off" in d.reason
+
+
+def test_exit_event_of_an_earlier_run_is_ignored(jobdir) -> None:
+    trainer_run(jobdir, restart=0, exit={"completed": True})
+    env = SlurmEnv(job_id="100", restart_count=1)
+    trainer_run(jobdir, restart=1)  # this run died without an exit event
+    d = run_decide(jobdir, env, FakeScontrol(RUNNING), rc=139, step=10)
+    assert (d.requeue, d.cause) == (True, "crash")
+
+
+def test_sigusr1_request_counts_for_a_program_without_ftkit(jobdir, env) -> None:
+    from ftkit.triggers.files import write_request
+
+    write_request(jobdir, "requeue", reason="SIGUSR1 from SLURM (time limit or preemption)")
+    d = run_decide(jobdir, env, FakeScontrol(RUNNING), rc=138, step=None)
+    assert (d.requeue, d.cause) == (True, "requested (SIGUSR1)")
+    assert len(d.spent_requests) == 1
+
+
+def test_decides_without_slurm(jobdir) -> None:
+    d = run_decide(jobdir, SlurmEnv(), Missing(), rc=0)
+    assert not d.requeue and d.slurm_state is None
+    with pytest.raises(ConfigError, match="does not exist"):
+        run_decide(jobdir / "nope", SlurmEnv(), Missing())
+
+
+# --------------------------------------------------------------------------------------
+# perform and finish_run
+
+
+def test_finish_run_requeues_records_and_spends_requests(jobdir, env) -> None:
+    (jobdir / "requests" / "1-h-1-requeue.json").write_text('{"action": "requeue", "reason": "SIGUSR1 from SLURM"}')
+    trainer_run(jobdir, exit={"requeue": True, "reasons": ["USR1 received"]})
+    fake = FakeScontrol(RUNNING, jobdir=jobdir)
+    out = finish_run(jobdir, exit_code=0, env=env, runner=fake, checkpoints_lookup=steps(10), clock=lambda: 5.0)
+    assert fake.requeued == ["100"]
+    assert out.exit_code == 0 and out.action.method == "scontrol"
+    assert out.message == ("ftkit requeue: requeued job 100 (requested (SIGUSR1); requeue 1 of at most 20) "
+                           "via scontrol requeue 100")
+    # runs.json is durable before scontrol requeue, which ends the batch script
+    assert fake.runs_at_requeue and fake.runs_at_requeue[-1]["method"] == "scontrol"
+    (run,) = rq.read_runs(jobdir / "runs.json")
+    assert run | {"start_time": None} == run | {
+        "job_id": "100", "restart_count": 0, "end_time": 5.0, "exit_code": 0, "end_step": 10,
+        "requeue": True, "method": "scontrol", "cause": "requested (SIGUSR1)", "start_time": None}
+    event = [e for e in read_events(jobdir / "events.jsonl") if e["event"] == "requeue"][-1]
+    assert event["requeue"] is True and event["method"] == "scontrol" and event["job_id"] == "100"
+    assert event["reason"] == "requested (SIGUSR1); requeue 1 of at most 20"
+    assert event["spent_requests"] == ["1-h-1-requeue.json"]
+    assert list((jobdir / "requests").iterdir()) == []
+
+
+def test_array_task_is_requeued_by_array_id(jobdir) -> None:
+    env = SlurmEnv(job_id="107", array_job_id="100", array_task_id="7")
+    trainer_run(jobdir, job_id="107", exit={"requeue": True, "reasons": ["USR1 received"]})
+    fake = FakeScontrol(RUNNING)
+    finish_run(jobdir, exit_code=0, env=env, runner=fake, checkpoints_lookup=steps(1))
+    assert fake.requeued == ["100_7"]
+
+
+def test_already_requeued_by_slurm_calls_nothing(jobdir, env) -> None:
+    trainer_run(jobdir, exit={"requeue": True, "reasons": ["USR1 received"]})
+    fake = FakeScontrol(REQUEUED)
+    out = finish_run(jobdir, exit_code=0, env=env, runner=fake, checkpoints_lookup=steps(1),
+                     sbatch=lambda *a, **k: pytest.fail("must not resubmit"))
+    assert fake.requeued == [] and out.action.method == "slurm" and out.exit_code == 0
+
+
+def test_refused_requeue_after_preemption_requeued_it(jobdir, env) -> None:
+    # SLURM requeued the job between our look and our scontrol requeue
+    fake = FakeScontrol(GRACE, PENDING, requeue_error="Job is pending execution for job 100")
+    trainer_run(jobdir, exit={"requeue": True, "reasons": ["USR1 received"]})
+    out = finish_run(jobdir, exit_code=0, env=env, runner=fake, checkpoints_lookup=steps(1),
+                     sbatch=lambda *a, **k: pytest.fail("must not resubmit"))
+    assert out.action.method == "slurm" and out.exit_code == 0
+
+
+def test_scontrol_missing_falls_back_to_resubmit(jobdir, env, tmp_path, monkeypatch) -> None:
+    script = tmp_path / "train.sbatch"
+    script.write_text("#!/bin/bash\n")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
+    monkeypatch.setenv("SLURM_CONF", "/etc/slurm/slurm.conf")
+    calls = []
+
+    def fake_sbatch(args, *, cwd=None, env=None):
+        calls.append((list(args), cwd, env))
+        return "201;cluster\n"
+
+    trainer_run(jobdir, exit={"requeue": True, "reasons": ["USR1 received"]})
+    out = finish_run(jobdir, exit_code=0, env=env, runner=Missing(), sbatch=fake_sbatch, script=script,
+                     checkpoints_lookup=steps(10))
+    (args, cwd, child_env), = calls
+    assert args == ["--parsable", "--dependency=afterany:100", "--job-name=train", "--partition=low", str(script)]
+    assert cwd == str(tmp_path)
+    assert "SLURM_RESTART_COUNT" not in child_env and child_env["SLURM_CONF"] == "/etc/slurm/slurm.conf"
+    assert out.exit_code == 0 and out.action.method == "resubmit" and out.action.new_job_id == "201"
+    assert "resubmitted as job 201" in out.message
+    (run,) = rq.read_runs(jobdir / "runs.json")
+    assert run["method"] == "resubmit" and run["new_job_id"] == "201"
+    event = [e for e in read_events(jobdir / "events.jsonl") if e["event"] == "requeue"][-1]
+    assert event["method"] == "resubmit" and event["new_job_id"] == "201"
+
+
+def test_refused_requeue_resubmits_the_script_from_scontrol(jobdir, tmp_path) -> None:
+    script = tmp_path / "train.sbatch"
+    script.write_text("#!/bin/bash\n")
+    env = SlurmEnv(job_id="107", array_job_id="100", array_task_id="7", job_name="train")
+    fake = FakeScontrol(job_line(cmd=str(script), wd=str(tmp_path)),
+                        requeue_error="`scontrol requeue 100_7` failed (exit 1): Requested operation is presently disabled")
+    trainer_run(jobdir, job_id="107", exit={"requeue": True, "reasons": ["USR1 received"]})
+    seen = []
+    out = finish_run(jobdir, exit_code=0, env=env, runner=fake, checkpoints_lookup=steps(1),
+                     sbatch=lambda args, **kw: seen.append((args, kw["cwd"])) or "300\n")
+    assert seen == [(["--parsable", "--dependency=afterany:107", "--job-name=train", "--array=7", str(script)],
+                     str(tmp_path))]
+    assert out.action.method == "resubmit" and fake.requeued == ["100_7"]
+
+
+def test_fallback_none_reports_failure(jobdir, env) -> None:
+    fake = FakeScontrol(RUNNING, requeue_error="`scontrol requeue 100` failed (exit 1): Access/permission denied")
+    trainer_run(jobdir, exit={"requeue": True, "reasons": ["USR1 received"]})
+    out = finish_run(jobdir, exit_code=0, env=env, runner=fake, policy=RequeuePolicy(fallback="none"),
+                     checkpoints_lookup=steps(1))
+    assert out.exit_code == EXIT_UNFINISHED and out.action is None
+    assert out.message.startswith("ftkit requeue: NOT requeued") and "permission denied" in out.message
+    (run,) = rq.read_runs(jobdir / "runs.json")
+    assert run["requeue"] is False and "fallback is 'none'" in run["error"]
+
+
+def test_resubmit_without_a_script_fails_clearly(jobdir, env) -> None:
+    decision = run_decide(jobdir, env, Missing(), rc=1, step=1)
+    with pytest.raises(SlurmError, match=r"cannot resubmit.*pass --script PATH"):
+        perform(decision, env, runner=Missing())
+
+
+def test_dry_run_changes_nothing(jobdir, env) -> None:
+    trainer_run(jobdir, exit={"requeue": True, "reasons": ["USR1 received"]})
+    fake = FakeScontrol(RUNNING)
+    out = finish_run(jobdir, exit_code=0, env=env, runner=fake, dry_run=True, checkpoints_lookup=steps(1))
+    assert out.message.startswith("ftkit requeue (dry run): would requeue job 100")
+    assert fake.requeued == [] and not (jobdir / "runs.json").exists()
+
+
+def test_scontrol_call_point_is_patchable(jobdir, env, monkeypatch) -> None:
+    fake = FakeScontrol(RUNNING)
+    monkeypatch.setattr(slurm_env, "run_scontrol", fake)
+    trainer_run(jobdir, exit={"requeue": True, "reasons": ["USR1 received"]})
+    finish_run(jobdir, exit_code=0, env=env, checkpoints_lookup=steps(1))
+    assert fake.calls == [["show", "job", "-o", "100"], ["requeue", "100"]]
+
+
+def test_cli_requeue(jobdir, monkeypatch, capsys) -> None:
+    import signal
+
+    for name in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_RESTART_COUNT", "SLURM_ARRAY_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        trainer_run(jobdir, job_id=None, exit={"completed": True})
+        assert main(["requeue", str(jobdir), "--exit-code", "0", "--max-requeues", "3"]) == 0
+        assert capsys.readouterr().out.strip() == "ftkit requeue: not requeued: training completed (step 10)"
+        assert main(["requeue", str(jobdir), "--exit-code", "0", "--max-requeues", "-1"]) == 2
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+# --------------------------------------------------------------------------------------
+# checkpoints
+
+
+def test_newest_checkpoint_scan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "checkpoints"
+    for step, manifest, sentinel in [(100, True, False), (200, True, True), (300, False, False), (50, True, False)]:
+        d = root / f"step-{step:08d}"
+        d.mkdir(parents=True)
+        if manifest:
+            (d / "manifest.json").write_text("{}")
+        if sentinel:
+            (d / "checkpoint-is-incomplete").touch()
+    (root / "step-junk").mkdir()
+    assert rq._scan_checkpoints(root) == 100
+    assert rq._scan_checkpoints(tmp_path / "none") is None
+    monkeypatch.setitem(sys.modules, "ftkit.checkpoint", None)  # package unavailable: the scan is used
+    assert rq.newest_checkpoint_step(root) == 100
