@@ -116,3 +116,18 @@ def test_status_json_shows_pending_switches_and_events(tmp_path: Path) -> None:
 def test_status_on_missing_jobdir_names_it(tmp_path: Path) -> None:
     out = ftkit_cli("status", str(tmp_path / "nope"))
     assert out.returncode == 2 and "nope" in out.stderr and "does not exist" in out.stderr
+
+
+def test_request_files_seen_after_an_exit_are_removed_at_close(tmp_path: Path) -> None:
+    """The trap's request file arriving after the forwarded signal must not stop the next run."""
+    from ftkit.triggers.files import write_request
+
+    with ftkit.FaultTolerance(tmp_path) as ft:
+        ft.request("exit", reason="signal got there first")
+        assert ft.check(1).exit
+        path = write_request(tmp_path, "requeue", reason="late trap")
+        wait_for(lambda: ft.box.pending, 10, what="request file seen")
+        assert ft.check(2).reasons == ("signal got there first",)
+    assert not path.exists()
+    with ftkit.FaultTolerance(tmp_path) as ft:
+        assert not ft.check(1)

@@ -101,6 +101,7 @@ class FaultTolerance:
         self._last_save_end = float("-inf")  # monotonic time the last save became durable
         self._last_saved_step: int | None = None
         self._handled_wall: dict[Source, float] = {}  # wall time of the last decision per file source
+        self._seen_requests: set[str] = set()  # request files this run has logged (acted on or not)
         self._checkpoints: Any = None
         self._started = False
         self.completed = False
@@ -145,6 +146,9 @@ class FaultTolerance:
         finally:
             self._watcher.close()
             self._signals.close()
+            if self.box.pending:
+                self._take(self.box.drain(), -1 if self._final is None else self._final.step)
+            self._forget_requests()
             final = self._final
             self.events.emit(
                 "exit",
@@ -188,6 +192,8 @@ class FaultTolerance:
             self.budget.record_step(now - self._last_check)
         self._last_check = now
         if self._final is not None:
+            if self.box.pending:  # log what arrives after the exit was decided; it changes nothing
+                self._take(self.box.drain(), step)
             return self._final
         if self.box.pending:
             self._take(self.box.drain(), step)
@@ -209,6 +215,8 @@ class FaultTolerance:
 
     def _take(self, requests: list[Request], step: int) -> None:
         for r in requests:
+            if r.source is Source.REQUEST and r.origin is not None:
+                self._seen_requests.add(r.origin)
             stale = self._stale(r)
             self.events.emit("trigger", step=step, source=r.source.value, action=r.action.name,
                              reason=r.reason, origin=r.origin, ignored=stale)
@@ -337,6 +345,18 @@ class FaultTolerance:
         if decision is not None:
             self._consume(decision)
         return info
+
+    def _forget_requests(self) -> None:
+        """Remove the request files this run saw, so the next run does not act on them again
+        (a batch-script trap writes one even when the forwarded signal got there first)."""
+        for origin in self._seen_requests:
+            try:
+                os.unlink(origin)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                log.warning("could not remove handled request file %s: %s", origin, exc)
+        self._seen_requests.clear()
 
     def _consume(self, decision: Decision) -> None:
         """Once a checkpoint is durable: remove the save-switch and handled request files."""
