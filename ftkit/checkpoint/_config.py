@@ -1,0 +1,116 @@
+"""Checkpoint settings and the description of one checkpoint on disk. No torch."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigError
+
+__all__ = ["RESUME_MODES", "CheckpointConfig", "CheckpointInfo"]
+
+RESUME_MODES = ("auto", "required", "never")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """How and where checkpoints are written, kept and resumed."""
+
+    root: Path
+    """The checkpoint root, normally ``JOBDIR/checkpoints``. Created on first save."""
+
+    keep_last: int | None = 3
+    """Keep the newest N valid checkpoints; None keeps all of them."""
+
+    keep_every: int | None = None
+    """Also keep every checkpoint whose step is a multiple of K (milestones); None: no milestones."""
+
+    resume: str = "auto"
+    """``auto``: resume from the newest valid checkpoint if any, else start fresh;
+    ``required``: fail with NoCheckpointError if none; ``never``: always start fresh."""
+
+    manager: str | None = None
+    """Optional ``"pkg.module:Class"`` implementing CheckpointManager instead of the default."""
+
+    verify_on_load: bool = True
+    """Check every file's CRC-32 against the manifest before loading it (one extra read)."""
+
+    fsync: bool = True
+    """fsync files and directories during the commit. Turn off only for throwaway tests."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.root, (str, os.PathLike)):
+            raise ConfigError(f"checkpoint.root: expected a path, got {self.root!r}")
+        self.root = Path(self.root).expanduser().absolute()
+        if self.keep_last is not None and (
+            not isinstance(self.keep_last, int)
+            or isinstance(self.keep_last, bool)
+            or self.keep_last < 1
+        ):
+            raise ConfigError(
+                f"checkpoint.keep_last: must be a positive integer or None (keep all), got {self.keep_last!r}"
+            )
+        if self.keep_every is not None and (
+            not isinstance(self.keep_every, int)
+            or isinstance(self.keep_every, bool)
+            or self.keep_every < 1
+        ):
+            raise ConfigError(
+                f"checkpoint.keep_every: must be a positive integer (keep steps that are multiples "
+                f"of it) or None, got {self.keep_every!r}"
+            )
+        if self.resume not in RESUME_MODES:
+            raise ConfigError(
+                f"checkpoint.resume: must be one of {', '.join(RESUME_MODES)}, got {self.resume!r}"
+            )
+        if self.manager is not None and (
+            not isinstance(self.manager, str) or ":" not in self.manager
+        ):
+            raise ConfigError(
+                f"checkpoint.manager: expected an import path like 'pkg.module:Class', got {self.manager!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointInfo:
+    """One checkpoint directory as found on disk.
+
+    ``status`` is ``valid``, ``incomplete`` (sentinel present or no manifest: a save that never
+    finished) or ``corrupt`` (manifest unreadable, a file missing, a size or checksum mismatch).
+    ``reason`` says why it is not valid (empty when valid); ``saved_for`` is the reason given
+    to ``save`` (``save-switch``, ``periodic``, ...).
+    """
+
+    step: int
+    path: Path
+    status: str
+    reason: str = ""
+    pinned: bool = False
+    size: int = 0
+    time: float | None = None
+    world_size: int | None = None
+    kind: str | None = None
+    saved_for: str | None = None
+    checksums_checked: bool = False
+    files: dict[str, dict] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def valid(self) -> bool:
+        return self.status == "valid"
+
+    def to_json(self) -> dict:
+        return {
+            "step": self.step,
+            "path": str(self.path),
+            "status": self.status,
+            "valid": self.valid,
+            "reason": self.reason,
+            "pinned": self.pinned,
+            "size": self.size,
+            "time": self.time,
+            "world_size": self.world_size,
+            "kind": self.kind,
+            "saved_for": self.saved_for,
+            "checksums_checked": self.checksums_checked,
+        }

@@ -1,0 +1,419 @@
+"""The default CheckpointManager: snapshot, commit, validated resume, retention.
+
+Commit protocol of one save (``persist``):
+
+1. rank 0 creates ``step-NNNNNNNN/`` with the ``checkpoint-is-incomplete`` sentinel in it
+   (and the ``pinned`` marker if asked) and fsyncs both directories;
+2. every rank writes ``rank-RRRRR.pt`` through a CRC-32-computing writer and fsyncs it;
+   with several ranks, model and optimizer shards go through DCP into ``dcp/``;
+3. ranks all-gather their file names, sizes and checksums (any failure fails all ranks);
+4. rank 0 writes ``manifest.json`` (temp file, fsync, ``os.replace``), removes the sentinel,
+   fsyncs the directory and points ``latest`` at it (a hint only);
+5. rank 0 applies retention; every rank returns after a final agreement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError, NoCheckpointError
+from ._comm import Comm
+from ._config import CheckpointConfig, CheckpointInfo
+from ._files import atomic_write_bytes, fsync_dir
+from ._layout import DCP_DIR, LATEST, PIN, SENTINEL, list_step_dirs, rank_file, step_name
+from ._manifest import build_manifest, validate_dir, verify_files, write_manifest
+from ._pins import pin_checkpoint, unpin_checkpoint
+from ._retention import delete_checkpoint, plan_retention
+from ._single import WriteProgress, read_state_file, write_state_file
+from ._state import Snapshot, restore_rng, restore_state, take_snapshot
+
+__all__ = ["Checkpointer"]
+
+log = logging.getLogger(__name__)
+
+
+class Checkpointer:
+    """Default :class:`~ftkit.checkpoint.CheckpointManager`; saves synchronously.
+
+    ``save`` = ``take_snapshot`` (copy into CPU memory) + ``persist`` (the commit protocol),
+    so an asynchronous manager can run ``persist`` in the background.
+    """
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        *,
+        events: Any = None,
+        rank: int = 0,
+        world_size: int = 1,
+        process_group: Any = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.events = events
+        self.rank = rank
+        self.world_size = world_size
+        self.comm = Comm(rank=rank, world_size=world_size, process_group=process_group)
+        self._clock = clock
+        self._in_progress: set[int] = set()
+        # steps whose directory is known dead: our failed saves, and incomplete directories
+        # found when this manager first looked at the root (crash leftovers of an earlier run:
+        # one job writes a checkpoint root at a time). Removed before the next save.
+        self._failed: set[int] = set()
+        self._looked = False
+        self._closed = False
+
+    @property
+    def root(self) -> Path:
+        return self.config.root
+
+    # ------------------------------------------------------------------ save
+    def save(
+        self, step: int, state: Mapping[str, Any], *, pin: bool = False, reason: str | None = None
+    ) -> CheckpointInfo:
+        """Save ``state`` as checkpoint ``step``; returns it once committed (valid) on every rank."""
+        if self._closed:
+            raise CheckpointError(f"checkpoint manager for {self.root} is closed")
+        self.comm.check()
+        return self.persist(self.take_snapshot(state), step, pin=pin, reason=reason)
+
+    def take_snapshot(self, state: Mapping[str, Any]) -> Snapshot:
+        """Copy ``state`` and the RNG states into CPU memory (stage 1 of a save)."""
+        if not self.comm.distributed:
+            return take_snapshot(state)
+        from ._dcp import sharded_keys, snapshot_sharded
+
+        keys = sharded_keys(state)
+        snap = take_snapshot(state, exclude=keys)
+        snap.sharded, nbytes = snapshot_sharded(state, keys)
+        snap.nbytes += nbytes
+        return snap
+
+    def persist(
+        self, snapshot: Snapshot, step: int, *, pin: bool = False, reason: str | None = None
+    ) -> CheckpointInfo:
+        """Write ``snapshot`` as checkpoint ``step`` with the full commit protocol (stage 2)."""
+        if not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"checkpoint step must be a non-negative int, got {step!r}")
+        path = self.root / step_name(step)
+        started = time.monotonic()
+        progress = WriteProgress()
+        self._in_progress.add(step)
+        try:
+            existing = self.comm.on_rank0(
+                lambda: self._prepare(step, path, pin), f"preparing {path}"
+            )
+            if existing is not None:
+                return existing
+            files = self._write_parts(snapshot, path, progress)
+            info = self.comm.on_rank0(
+                lambda: self._commit(step, path, files, pin=pin, reason=reason),
+                f"committing {path}",
+            )
+        except CheckpointError as exc:
+            self._failed.add(step)
+            self._emit("save-failed", step=step, path=str(path), error=str(exc))
+            raise
+        except OSError as exc:
+            self._failed.add(step)
+            err = self._os_error(exc, step, path, progress, snapshot.nbytes)
+            self._emit("save-failed", step=step, path=str(path), error=str(err))
+            raise err from exc
+        finally:
+            self._in_progress.discard(step)
+        seconds = time.monotonic() - started
+        log.info("saved checkpoint step %d to %s (%d bytes, %.2fs)", step, path, info.size, seconds)
+        self._emit(
+            "save",
+            step=step,
+            path=str(path),
+            bytes=info.size,
+            seconds=round(seconds, 3),
+            reason=reason,
+        )
+        if self.rank == 0:
+            try:
+                self.apply_retention()
+            except Exception as exc:  # the checkpoint is committed; retention can retry next time
+                log.warning("retention after saving step %d failed: %s", step, exc)
+        self.comm.barrier()
+        return info
+
+    def _os_error(
+        self, exc: OSError, step: int, path: Path, progress: WriteProgress, nbytes: int
+    ) -> CheckpointError:
+        name = errno.errorcode.get(exc.errno or 0, "error")
+        where = exc.filename or (progress.writer.path if progress.writer else path)
+        return CheckpointError(
+            f"could not save checkpoint step {step} to {path}: {name} ({exc.strerror or exc}) on {where} "
+            f"after writing {progress.total} bytes; the snapshot holds {nbytes} bytes of tensors. "
+            f"The partial checkpoint stays marked incomplete ({SENTINEL}) and is removed later; "
+            "earlier checkpoints are untouched"
+        )
+
+    def _note_leftovers(self) -> None:
+        if self._looked or self.rank != 0:
+            return
+        self._looked = True
+        for info in self.list():
+            if info.status == "incomplete" and info.step not in self._in_progress:
+                log.info(
+                    "found incomplete checkpoint %s from an earlier run: %s", info.path, info.reason
+                )
+                self._failed.add(info.step)
+
+    def _prepare(self, step: int, path: Path, pin: bool) -> CheckpointInfo | None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._note_leftovers()
+        self._clean_leftovers()
+        if os.path.lexists(path):
+            info = validate_dir(path)
+            if info.valid:
+                log.info("checkpoint step %d already exists and is valid; not rewriting it", step)
+                if pin and not info.pinned:
+                    pin_checkpoint(self.root, step, sync=self.config.fsync)
+                return validate_dir(path)
+            self._delete(info, "replaced by a new save of the same step")
+        try:
+            os.mkdir(path)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot create checkpoint directory {path}: {exc.strerror or exc} (0 bytes written)"
+            ) from exc
+        try:
+            os.close(os.open(path / SENTINEL, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            if pin:
+                os.close(os.open(path / PIN, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            if self.comm.distributed:
+                os.mkdir(path / DCP_DIR)
+            if self.config.fsync:
+                fsync_dir(path)
+                fsync_dir(self.root)
+        except OSError as exc:
+            if not os.path.lexists(path / SENTINEL):
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+            raise CheckpointError(
+                f"cannot start checkpoint {path}: {exc.strerror or exc} (0 bytes written)"
+            ) from exc
+        return None
+
+    def _write_parts(
+        self, snapshot: Snapshot, path: Path, progress: WriteProgress
+    ) -> dict[str, dict]:
+        name = rank_file(self.rank)
+        meta = {"rank": self.rank, "world_size": self.world_size}
+        problem: str | None = None
+        files: dict[str, dict] = {}
+        try:
+            files[name] = write_state_file(
+                path, name, {**snapshot.local, **meta}, sync=self.config.fsync, progress=progress
+            )
+        except OSError as exc:
+            if not self.comm.distributed:
+                raise
+            problem = str(self._os_error(exc, -1, path, progress, snapshot.nbytes))
+        self.comm.all_ok(problem, f"saving {path}")
+        if self.comm.distributed:
+            from ._dcp import save_sharded
+
+            try:
+                files.update(
+                    save_sharded(snapshot.sharded, path, pg=self.comm.pg, sync=self.config.fsync)
+                )
+            except Exception as exc:  # DCP raises CheckpointException on every rank
+                raise CheckpointError(
+                    f"could not save sharded state to {path / DCP_DIR}: {exc}"
+                ) from exc
+        merged: dict[str, dict] = {}
+        for part in self.comm.gather(files):
+            merged.update(part)
+        return merged
+
+    def _commit(
+        self, step: int, path: Path, files: dict[str, dict], *, pin: bool, reason: str | None
+    ) -> CheckpointInfo:
+        manifest = build_manifest(
+            step=step,
+            time=self._clock(),
+            world_size=self.world_size,
+            kind="dcp" if self.comm.distributed else "single",
+            reason=reason,
+            pinned=pin,
+            files=files,
+        )
+        write_manifest(path, manifest, sync=self.config.fsync)
+        os.unlink(path / SENTINEL)
+        if self.config.fsync:
+            fsync_dir(path)
+        try:
+            atomic_write_bytes(
+                self.root / LATEST, f"{path.name}\n".encode(), sync=self.config.fsync
+            )
+        except OSError as exc:  # a hint only; listing never depends on it
+            log.warning("could not update %s: %s", self.root / LATEST, exc)
+        return validate_dir(path)
+
+    # ------------------------------------------------------------------ load
+    def load(self, state: Mapping[str, Any], step: int | None = None) -> int | None:
+        """Restore the newest valid checkpoint (or ``step``) into ``state`` in place.
+
+        Returns the restored step, or None for a fresh start. Honours ``config.resume``.
+        Invalid checkpoints are skipped, newest first, each with a warning and a ``skip`` event.
+        """
+        mode = self.config.resume
+        if step is None and mode == "never":
+            log.info("checkpoint.resume is 'never': starting fresh")
+            return None
+        self.comm.check()
+        self._note_leftovers()
+        if step is None:
+            candidates = [p for _, p in list_step_dirs(self.root)]
+        else:
+            candidates = [self.root / step_name(step)]
+        skipped: list[str] = []
+        for path in candidates:
+            problem = self._agree_valid(path)
+            if not problem:
+                problem = self._try_load(state, path)
+            if not problem:
+                restored = int(validate_dir(path).step)
+                log.info("resumed from checkpoint %s", path)
+                self._emit("load", step=restored, path=str(path))
+                return restored
+            skipped.append(f"{path.name}: {problem}")
+            log.warning("skipping checkpoint %s: %s", path, problem)
+            self._emit("skip", step=validate_dir(path).step, path=str(path), reason=problem)
+        if step is not None:
+            raise NoCheckpointError(
+                f"checkpoint step {step} in {self.root} cannot be loaded: {skipped[0]}"
+            )
+        if mode == "required":
+            detail = f" (skipped: {'; '.join(skipped)})" if skipped else ""
+            raise NoCheckpointError(
+                f"checkpoint.resume is 'required' but there is no valid checkpoint in {self.root}{detail}"
+            )
+        log.info("no valid checkpoint in %s: starting fresh", self.root)
+        return None
+
+    def _agree_valid(self, path: Path) -> str:
+        """Sizes here; with several ranks each rank also checks its share of the checksums."""
+        info = validate_dir(path)
+        problem = "" if info.valid else f"{info.status}: {info.reason}"
+        if not problem and self.comm.distributed and self.config.verify_on_load:
+            mine = sorted(info.files)[self.rank :: self.world_size]
+            problem = verify_files(path, info.files, mine)
+        problems = [p for p in self.comm.gather(problem) if p]
+        return problems[0] if problems else ""
+
+    def _try_load(self, state: Mapping[str, Any], path: Path) -> str:
+        info = validate_dir(path)
+        name = rank_file(self.rank)
+        if name not in info.files:
+            log.warning(
+                "%s has no %s (saved by %s ranks); using rank 0's state",
+                path,
+                name,
+                info.world_size,
+            )
+            name = rank_file(0)
+        problem = ""
+        payload: dict[str, Any] = {}
+        try:
+            verify = self.config.verify_on_load and not self.comm.distributed
+            payload = read_state_file(path, name, info.files[name], verify=verify)
+        except (CheckpointError, KeyError) as exc:
+            problem = str(exc)
+        problems = [p for p in self.comm.gather(problem) if p]
+        if problems:
+            return problems[0]
+        if self.comm.distributed:
+            from ._dcp import load_sharded, sharded_keys
+
+            try:
+                load_sharded(state, sharded_keys(state), path, pg=self.comm.pg)
+            except Exception as exc:
+                raise CheckpointError(
+                    f"could not load sharded state from {path / DCP_DIR}: {exc}"
+                ) from exc
+        restore_state(state, payload["state"])
+        restore_rng(payload["rng"])
+        return ""
+
+    # ------------------------------------------------------------------ listing, retention
+    def list(self) -> list[CheckpointInfo]:
+        """Every step directory in the root, newest first, with its validity (sizes only)."""
+        return [validate_dir(p) for _, p in list_step_dirs(self.root)]
+
+    def validate(self, path: str | os.PathLike[str], checksums: bool = False) -> CheckpointInfo:
+        return validate_dir(path, checksums=checksums)
+
+    def pin(self, step: int) -> None:
+        if self.rank == 0:
+            pin_checkpoint(self.root, step, sync=self.config.fsync)
+            self._emit("pin", step=step)
+
+    def unpin(self, step: int) -> None:
+        if self.rank == 0:
+            unpin_checkpoint(self.root, step, sync=self.config.fsync)
+            self._emit("unpin", step=step)
+
+    def apply_retention(self) -> list[Path]:
+        """Delete what the retention policy says (rank 0 only); returns the deleted paths."""
+        if self.rank != 0:
+            return []
+        plan = plan_retention(
+            self.list(),
+            keep_last=self.config.keep_last,
+            keep_every=self.config.keep_every,
+            in_progress=self._in_progress,
+            failed=self._failed,
+        )
+        return [info.path for info, why in plan if self._delete(info, why)]
+
+    def _clean_leftovers(self) -> None:
+        plan = plan_retention(
+            self.list(),
+            keep_last=self.config.keep_last,
+            keep_every=self.config.keep_every,
+            in_progress=self._in_progress,
+            failed=self._failed,
+        )
+        for info, why in plan:
+            if not info.valid:
+                self._delete(info, why)
+
+    def _delete(self, info: CheckpointInfo, why: str) -> bool:
+        try:
+            delete_checkpoint(self.root, info.path)
+        except CheckpointError as exc:
+            log.warning("%s", exc)
+            return False
+        self._failed.discard(info.step)
+        log.info("deleted checkpoint %s: %s", info.path, why)
+        self._emit("delete", step=info.step, path=str(info.path), reason=why, status=info.status)
+        return True
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        if self.events is not None and self.rank == 0:
+            self.events.emit(event, **fields)
+
+    # ------------------------------------------------------------------ lifecycle
+    def wait(self) -> None:
+        """Saves are synchronous: nothing is ever pending."""
+
+    def close(self) -> None:
+        self._closed = True
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,183 @@
+"""The manifest (commit proof) and validation of a checkpoint directory. Pure file work, no torch.
+
+A checkpoint directory is valid when: it is a real directory (not a symlink), the
+``checkpoint-is-incomplete`` sentinel is absent, ``manifest.json`` parses and names this
+step, and every file it lists exists with the recorded size. ``checksums=True`` also
+recomputes each file's CRC-32 and compares it with the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections.abc import Iterable, Mapping
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from ._config import CheckpointInfo
+from ._files import CHECKSUM, atomic_write_bytes, crc32_file
+from ._layout import MANIFEST, PIN, SENTINEL, parse_step
+
+__all__ = ["FORMAT", "VERSION", "build_manifest", "validate_dir", "verify_files", "write_manifest"]
+
+FORMAT = "ftkit-checkpoint"
+VERSION = 1
+
+
+def _versions() -> tuple[str, str]:
+    from importlib import metadata
+
+    try:
+        ftkit_version = metadata.version("ftkit")
+    except metadata.PackageNotFoundError:
+        ftkit_version = "unknown"
+    try:
+        import sys
+
+        torch = sys.modules.get("torch")
+        torch_version = str(torch.__version__) if torch is not None else metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "unknown"
+    return ftkit_version, torch_version
+
+
+def build_manifest(
+    *,
+    step: int,
+    time: float,
+    world_size: int,
+    kind: str,
+    reason: str | None,
+    pinned: bool,
+    files: Mapping[str, Mapping[str, Any]],
+) -> dict[str, Any]:
+    ftkit_version, torch_version = _versions()
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "time": time,
+        "world_size": world_size,
+        "kind": kind,
+        "reason": reason,
+        "pinned_at_save": pinned,
+        "ftkit_version": ftkit_version,
+        "torch_version": torch_version,
+        "checksum": CHECKSUM,
+        "files": {name: dict(meta) for name, meta in sorted(files.items())},
+    }
+
+
+def write_manifest(directory: Path, manifest: Mapping[str, Any], *, sync: bool = True) -> None:
+    data = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
+    atomic_write_bytes(directory / MANIFEST, data, sync=sync)
+
+
+def _safe_relpath(name: str) -> bool:
+    p = PurePosixPath(name)
+    return bool(name) and not p.is_absolute() and ".." not in p.parts and "\\" not in name
+
+
+def verify_files(
+    directory: Path, files: Mapping[str, Mapping[str, Any]], names: Iterable[str] | None = None
+) -> str:
+    """Recompute the CRC-32 of ``names`` (default: all files); return "" or the first problem."""
+    for name in sorted(files) if names is None else names:
+        meta = files[name]
+        try:
+            size, crc = crc32_file(directory / name)
+        except OSError as exc:
+            return f"cannot read {name}: {exc.strerror or exc}"
+        if size != meta.get("size"):
+            return f"{name}: size {size} bytes, manifest says {meta.get('size')}"
+        if crc != meta.get(CHECKSUM):
+            return f"{name}: checksum {CHECKSUM} {crc} does not match manifest {meta.get(CHECKSUM)}"
+    return ""
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """Parse and structurally check ``manifest.json``; raise ValueError with the problem."""
+    raw = (directory / MANIFEST).read_bytes()
+    try:
+        manifest = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"manifest.json is not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"manifest.json is not an {FORMAT} manifest")
+    if not isinstance(manifest.get("step"), int):
+        raise ValueError("manifest.json has no integer 'step'")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise ValueError("manifest.json lists no files")
+    for name, meta in files.items():
+        if (
+            not _safe_relpath(name)
+            or not isinstance(meta, dict)
+            or not isinstance(meta.get("size"), int)
+        ):
+            raise ValueError(f"manifest.json has a bad file entry {name!r}")
+    return manifest
+
+
+def validate_dir(path: str | os.PathLike[str], *, checksums: bool = False) -> CheckpointInfo:
+    """Describe the checkpoint directory ``path``; never raises for a bad checkpoint."""
+    path = Path(path)
+    step = parse_step(path.name)
+    step = -1 if step is None else step
+    pinned = os.path.lexists(path / PIN)
+
+    def info(status: str, reason: str = "", **kw: Any) -> CheckpointInfo:
+        return CheckpointInfo(
+            step=step, path=path, status=status, reason=reason, pinned=pinned, **kw
+        )
+
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return info("corrupt", f"cannot stat directory: {exc.strerror or exc}")
+    if not stat.S_ISDIR(st.st_mode):
+        return info("corrupt", "not a directory (symlinks are never followed)")
+    if os.path.lexists(path / SENTINEL):
+        return info("incomplete", f"{SENTINEL} present: the save never finished")
+    if not os.path.lexists(path / MANIFEST):
+        return info("incomplete", "no manifest.json: the save never finished")
+    try:
+        manifest = read_manifest(path)
+    except (OSError, ValueError) as exc:
+        return info("corrupt", str(exc))
+    files = manifest["files"]
+    common = {
+        "size": sum(m["size"] for m in files.values()),
+        "time": manifest.get("time"),
+        "world_size": manifest.get("world_size"),
+        "kind": manifest.get("kind"),
+        "saved_for": manifest.get("reason"),
+        "files": files,
+    }
+    if step >= 0 and manifest["step"] != step:
+        return info(
+            "corrupt",
+            f"manifest.json says step {manifest['step']}, directory is {path.name}",
+            **common,
+        )
+    for name, meta in files.items():
+        try:
+            fst = os.lstat(path / name)
+        except FileNotFoundError:
+            return info("corrupt", f"{name} is missing", **common)
+        except OSError as exc:
+            return info("corrupt", f"cannot stat {name}: {exc.strerror or exc}", **common)
+        if not stat.S_ISREG(fst.st_mode):
+            return info("corrupt", f"{name} is not a regular file", **common)
+        if fst.st_size != meta["size"]:
+            return info(
+                "corrupt",
+                f"{name}: size {fst.st_size} bytes, manifest says {meta['size']}",
+                **common,
+            )
+    if checksums:
+        problem = verify_files(path, files)
+        if problem:
+            return info("corrupt", problem, checksums_checked=True, **common)
+    return info("valid", checksums_checked=checksums, **common)

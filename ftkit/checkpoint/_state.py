@@ -1,0 +1,208 @@
+"""Training state <-> plain CPU data: snapshot user objects and RNGs, restore them in place.
+
+Everything a snapshot holds is something ``torch.load(weights_only=True)`` accepts: tensors,
+dicts, lists, tuples, numbers, strings, bytes, None, dtypes and devices. An object that
+is none of these must offer ``state_dict()``/``load_state_dict()``; anything else is refused
+at save time with the key path named, not at load time.
+
+Restoring (``restore_state``):
+
+* an object with ``load_state_dict`` gets ``load_state_dict(saved)``;
+* a dict is updated in place key by key (recursively; keys not in the checkpoint are kept);
+* a list is refilled in place; a tensor of the same shape and dtype is ``copy_``-ed into;
+* any other value (int, float, str, ...) is written back into the state mapping, so
+  ``state["step_in_epoch"]`` holds the restored value after ``load``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+
+__all__ = [
+    "Snapshot",
+    "capture_rng",
+    "copy_to_cpu",
+    "restore_rng",
+    "restore_state",
+    "take_snapshot",
+]
+
+log = logging.getLogger(__name__)
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+_MISSING = object()
+
+
+def is_stateful(obj: Any) -> bool:
+    return (
+        not isinstance(obj, torch.Tensor)
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
+class _Copier:
+    def __init__(self) -> None:
+        self.nbytes = 0
+
+    def __call__(self, value: Any, where: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            t = value.detach()
+            out = t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
+            self.nbytes += out.numel() * out.element_size()
+            return out
+        if isinstance(value, _PLAIN):
+            return value
+        if is_stateful(value):
+            return self(value.state_dict(), where)
+        if isinstance(value, Mapping):
+            kind = (
+                type(value)
+                if type(value) in (dict,) or type(value).__name__ == "OrderedDict"
+                else dict
+            )
+            return kind((k, self(v, f"{where}[{k!r}]")) for k, v in value.items())
+        if isinstance(value, torch.Size):
+            return value
+        if isinstance(value, list):
+            return [self(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, tuple):
+            return tuple(self(v, f"{where}[{i}]") for i, v in enumerate(value))
+        raise CheckpointError(
+            f"cannot checkpoint {where}: a {type(value).__module__}.{type(value).__qualname__} is "
+            "neither a plain value (tensor, number, str, list, dict) nor an object with "
+            "state_dict()/load_state_dict()"
+        )
+
+
+def copy_to_cpu(value: Any, where: str = "state") -> tuple[Any, int]:
+    """Deep copy into CPU memory (tensors cloned, stateful objects as their state_dict)."""
+    copier = _Copier()
+    return copier(value, where), copier.nbytes
+
+
+def capture_rng() -> dict[str, Any]:
+    """Python, numpy (if imported), torch CPU and every CUDA device's generator state."""
+    version, internal, gauss = random.getstate()
+    rng: dict[str, Any] = {"python": {"version": version, "state": list(internal), "gauss": gauss}}
+    rng["torch"] = torch.get_rng_state()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        rng["numpy"] = {
+            "kind": str(kind),
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = list(torch.cuda.get_rng_state_all())
+    return rng
+
+
+def restore_rng(rng: Mapping[str, Any]) -> None:
+    py = rng.get("python")
+    if py:
+        random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    if "torch" in rng:
+        torch.set_rng_state(rng["torch"])
+    if "numpy" in rng:
+        import numpy as np
+
+        n = rng["numpy"]
+        np.random.set_state(
+            (n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"])
+        )
+    cuda = rng.get("cuda")
+    if cuda and torch.cuda.is_available():
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            log.warning(
+                "checkpoint has RNG states for %d CUDA devices, this process sees %d; CUDA RNG not restored",
+                len(cuda),
+                torch.cuda.device_count(),
+            )
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """Everything one rank saves, already copied into CPU memory.
+
+    ``local`` is this rank's flat state (saved with ``torch.save``); ``sharded`` the part
+    saved through torch.distributed.checkpoint (multi-rank only, else empty).
+    """
+
+    local: dict[str, Any]
+    sharded: dict[str, Any] = field(default_factory=dict)
+    nbytes: int = 0
+
+
+def take_snapshot(state: Mapping[str, Any], *, exclude: frozenset[str] = frozenset()) -> Snapshot:
+    """Copy ``state`` (minus ``exclude`` keys) and the RNG states into CPU memory."""
+    if not isinstance(state, Mapping):
+        raise CheckpointError(
+            f"state must be a mapping of name -> object, got {type(state).__name__}"
+        )
+    copier = _Copier()
+    local = {k: copier(v, f"state[{k!r}]") for k, v in state.items() if k not in exclude}
+    return Snapshot(local={"state": local, "rng": capture_rng()}, nbytes=copier.nbytes)
+
+
+def _restore_value(live: Any, saved: Any) -> Any:
+    if live is _MISSING:
+        return saved
+    if is_stateful(live):
+        live.load_state_dict(saved)
+        return live
+    if isinstance(live, MutableMapping) and isinstance(saved, Mapping):
+        for k, v in saved.items():
+            new = _restore_value(live.get(k, _MISSING), v)
+            if k not in live or live[k] is not new:
+                live[k] = new
+        return live
+    if isinstance(live, list) and isinstance(saved, list):
+        if len(live) == len(saved):
+            live[:] = [_restore_value(a, b) for a, b in zip(live, saved, strict=False)]
+        else:
+            live[:] = saved
+        return live
+    if (
+        isinstance(live, torch.Tensor)
+        and isinstance(saved, torch.Tensor)
+        and live.shape == saved.shape
+        and live.dtype == saved.dtype
+    ):
+        with torch.no_grad():
+            live.copy_(saved)
+        return live
+    return saved
+
+
+def restore_state(state: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
+    """Restore ``saved`` into the live objects of ``state`` in place (see module doc)."""
+    for key, live in state.items():
+        if key not in saved:
+            log.warning("state[%r] is not in the checkpoint; left as it is", key)
+            continue
+        new = _restore_value(live, saved[key])
+        if new is not live:
+            if isinstance(state, MutableMapping):
+                state[key] = new
+            else:
+                log.warning(
+                    "state[%r] is a plain value in a read-only mapping; restored value dropped", key
+                )
+    for key in saved:
+        if key not in state:
+            log.info("checkpoint entry %r has no object in state; ignored", key)

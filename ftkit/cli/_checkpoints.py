@@ -1,0 +1,176 @@
+"""``ftkit ls``, ``verify``, ``pin``, ``unpin``: look at and protect checkpoints. No torch needed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from ..errors import CheckpointError, NoCheckpointError
+
+__all__ = ["register"]
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "ls", help="list checkpoints of a job: step, age, size, validity, pin"
+    )
+    p.add_argument("jobdir", type=Path, help="job directory (or its checkpoints/ directory)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_ls)
+
+    p = subparsers.add_parser("verify", help="check checkpoints including every file checksum")
+    p.add_argument("path", type=Path, help="a step directory, a checkpoint root or a job directory")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_verify)
+
+    for name, what in (
+        ("pin", "keep a checkpoint whatever retention says"),
+        ("unpin", "let retention delete it again"),
+    ):
+        p = subparsers.add_parser(name, help=what)
+        p.add_argument("jobdir", type=Path, help="job directory (or its checkpoints/ directory)")
+        p.add_argument("step", type=int, help="the checkpoint's step")
+        p.set_defaults(func=cmd_pin if name == "pin" else cmd_unpin)
+
+
+def _root(path: Path) -> tuple[Path, Path | None]:
+    """``(checkpoint root, job directory or None)`` for a job directory or a checkpoint root."""
+    from ..jobdir import JobDir
+
+    job = JobDir.of(path)
+    if job.checkpoints.is_dir():
+        return job.checkpoints, job.root
+    if not job.root.is_dir():
+        raise CheckpointError(f"{path} is not a directory")
+    return job.root, None
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _age(t: float | None, now: float) -> str:
+    if t is None:
+        return "-"
+    s = max(0.0, now - t)
+    for size, unit in ((86400, "d"), (3600, "h"), (60, "m")):
+        if s >= size:
+            return f"{s / size:.1f}{unit}"
+    return f"{s:.0f}s"
+
+
+def _table(infos, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    now = time.time()
+    colour = {"valid": "green", "incomplete": "yellow", "corrupt": "red"}
+    table = Table(title=title)
+    for col in ("step", "age", "size", "status", "pinned", "reason"):
+        table.add_column(col, justify="right" if col in ("step", "size") else "left")
+    for i in infos:
+        table.add_row(
+            str(i.step),
+            _age(i.time, now),
+            _human(i.size) if i.size else "-",
+            f"[{colour.get(i.status, 'white')}]{i.status}[/]",
+            "yes" if i.pinned else "",
+            i.reason,
+        )
+    Console().print(table)
+
+
+def _dump(infos) -> None:
+    now = time.time()
+    print(
+        json.dumps(
+            [
+                {**i.to_json(), "age_s": None if i.time is None else round(now - i.time, 3)}
+                for i in infos
+            ],
+            indent=1,
+        )
+    )
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from ..checkpoint import validate_dir
+    from ..checkpoint._layout import list_step_dirs
+
+    root, _ = _root(args.jobdir)
+    infos = [validate_dir(p) for _, p in list_step_dirs(root)]
+    if args.json:
+        _dump(infos)
+    else:
+        _table(infos, f"checkpoints in {root}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from ..checkpoint import validate_dir
+    from ..checkpoint._layout import MANIFEST, SENTINEL, list_step_dirs, parse_step
+
+    path = args.path.expanduser().absolute()
+    if parse_step(path.name) is not None and (
+        (path / MANIFEST).exists() or (path / SENTINEL).exists()
+    ):
+        dirs = [path]
+        where = str(path)
+    else:
+        root, _ = _root(path)
+        dirs = [p for _, p in list_step_dirs(root)]
+        where = str(root)
+    if not dirs:
+        raise NoCheckpointError(f"no checkpoints under {where}")
+    infos = [validate_dir(p, checksums=True) for p in dirs]
+    if args.json:
+        _dump(infos)
+    else:
+        _table(infos, f"verified {where} (sizes and crc32 checksums)")
+    bad = [i for i in infos if not i.valid]
+    if bad:
+        from rich.console import Console
+
+        Console(stderr=True).print(
+            f"[bold red]{len(bad)} of {len(infos)} checkpoint(s) not valid[/]", highlight=False
+        )
+        return CheckpointError.exit_code
+    return 0
+
+
+def _pin(args: argparse.Namespace, pin: bool) -> int:
+    from rich.console import Console
+
+    from ..checkpoint import pin_checkpoint, unpin_checkpoint, validate_dir
+    from ..events import EventLog
+
+    root, job = _root(args.jobdir)
+    path = (pin_checkpoint if pin else unpin_checkpoint)(root, args.step)
+    info = validate_dir(path)
+    console = Console()
+    console.print(f"{'pinned' if pin else 'unpinned'} {path}", highlight=False)
+    if pin and not info.valid:
+        console.print(
+            f"[yellow]warning:[/] step {args.step} is {info.status}: {info.reason}", highlight=False
+        )
+    if job is not None:
+        from ..jobdir import JobDir
+
+        EventLog(JobDir.of(job).events).emit(
+            "pin" if pin else "unpin", step=args.step, path=str(path), source="cli"
+        )
+    return 0
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    return _pin(args, True)
+
+
+def cmd_unpin(args: argparse.Namespace) -> int:
+    return _pin(args, False)

@@ -1,0 +1,207 @@
+"""Shared helpers for the checkpoint tests, and a tiny trainer run as a real subprocess.
+
+``python3 tests/ckpt_helpers.py train --root R --steps N [--stop-at K] --out F`` trains a
+small dropout MLP with Adam, StepLR and a shuffled ResumableSampler, resuming from R if it
+holds a checkpoint, saving at K and exiting there if asked. With ``WORLD_SIZE=2`` (and
+RANK, MASTER_ADDR, MASTER_PORT) it runs DDP over gloo and checkpoints through DCP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    e.setdefault("OMP_NUM_THREADS", "1")
+    e.update(extra)
+    return e
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(args: list[str], world_size: int = 1, timeout: float = 120) -> None:
+    """Run ``python3 tests/ckpt_helpers.py ARGS`` on ``world_size`` ranks; fail on any error."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, *args],
+            env=env(
+                RANK=str(r), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world_size)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, (p, out) in enumerate(zip(procs, outs, strict=False)):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{out}"
+
+
+def build_state(seed: int = 0, rank: int = 0, world_size: int = 1):
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ftkit.checkpoint import ResumableSampler
+
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(96, 8, generator=g)
+    y = x.sum(1, keepdim=True) + 0.1 * torch.randn(96, 1, generator=g)
+    model: nn.Module = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1))
+    if world_size > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    torch.manual_seed(seed + 1000 * rank)  # per-rank dropout streams
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
+    sampler = ResumableSampler(len(x), seed=seed, rank=rank, world_size=world_size)
+    loader = DataLoader(
+        TensorDataset(x, y),
+        batch_size=8,
+        sampler=sampler,
+        generator=torch.Generator().manual_seed(0),
+    )
+    state = {
+        "model": model,
+        "optimizer": opt,
+        "scheduler": sched,
+        "sampler": sampler,
+        "extra": {"epoch": 0},
+    }
+    return state, loader
+
+
+def train_main(argv: list[str]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from ftkit.checkpoint import CheckpointConfig, make_manager
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--stop-at", type=int)
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    state, loader = build_state(rank=rank, world_size=world)
+    mgr = make_manager(CheckpointConfig(root=a.root, keep_last=2), rank=rank, world_size=world)
+    step = mgr.load(state) or 0
+    model, opt, sched = state["model"], state["optimizer"], state["scheduler"]
+    losses: list[float] = []
+    while step < a.steps:
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            step += 1
+            losses.append(loss.item())
+            if step == a.stop_at:
+                mgr.save(step, state, reason="test")
+                break
+            if step >= a.steps:
+                break
+        else:
+            state["extra"]["epoch"] += 1
+            continue
+        break
+    mgr.close()
+    if a.out:
+        raw = model.module if hasattr(model, "module") else model
+        torch.save(
+            {
+                "losses": losses,
+                "model": raw.state_dict(),
+                "optimizer": opt.state_dict(),
+                "step": step,
+            },
+            f"{a.out}.rank{rank}",
+        )
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    if sys.argv[1] == "train":
+        train_main(sys.argv[2:])
+    else:
+        raise SystemExit(f"unknown command {sys.argv[1]}")
+
+
+# ---------------------------------------------------------------- in-process helpers
+class FakeManager:
+    """A custom manager selectable by import path (``tests.ckpt_helpers:FakeManager``)."""
+
+    def __init__(self, config, *, events=None, rank=0, world_size=1, process_group=None):
+        self.config = config
+        self.saved: list[int] = []
+
+    def save(self, step, state, *, pin=False, reason=None):
+        self.saved.append(step)
+
+    def load(self, state, step=None):
+        return None
+
+    def list(self):
+        return []
+
+    def validate(self, path, checksums=False):
+        raise NotImplementedError
+
+    def wait(self):
+        pass
+
+    def close(self):
+        pass
+
+
+class NotAManager:
+    def __init__(self, config, **kw):
+        pass
+
+    def save(self, step, state):
+        pass
+
+
+def small_state(value: float = 0.0):
+    """A tiny state: one tensor filled with ``value`` and a plain dict."""
+    import torch
+
+    return {"w": torch.full((64,), float(value)), "extra": {"value": value}}
+
+
+def make_mgr(root, **kw):
+    from ftkit.checkpoint import CheckpointConfig, make_manager
+
+    events = kw.pop("events", None)
+    return make_manager(CheckpointConfig(root=root, **kw), events=events)

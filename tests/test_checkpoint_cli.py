@@ -1,0 +1,121 @@
+"""``ftkit ls / verify / pin / unpin`` as real subprocesses, and without importing torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from ftkit.events import read_events
+from tests.ckpt_helpers import REPO, env, make_mgr, small_state
+
+
+def ftkit(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ftkit", *args],
+        env=env(COLUMNS="200"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _job(tmp_path):
+    job = tmp_path / "job"
+    mgr = make_mgr(job / "checkpoints", keep_last=None)
+    for step in (1, 2, 3):
+        mgr.save(step, small_state(step))
+    (job / "checkpoints" / "step-00000004").mkdir()
+    (job / "checkpoints" / "step-00000004" / "checkpoint-is-incomplete").touch()
+    return job
+
+
+def test_ls_json(tmp_path):
+    job = _job(tmp_path)
+    r = ftkit("ls", str(job), "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [(x["step"], x["status"]) for x in rows] == [
+        (4, "incomplete"),
+        (3, "valid"),
+        (2, "valid"),
+        (1, "valid"),
+    ]
+    assert (
+        "checkpoint-is-incomplete" in rows[0]["reason"]
+        and rows[1]["size"] > 0
+        and rows[1]["age_s"] >= 0
+    )
+    table = ftkit("ls", str(job))
+    assert table.returncode == 0 and "incomplete" in table.stdout and "valid" in table.stdout
+
+
+def test_verify_exit_codes(tmp_path):
+    job = _job(tmp_path)
+    step3 = job / "checkpoints" / "step-00000003"
+    assert ftkit("verify", str(step3)).returncode == 0
+    assert ftkit("verify", str(job)).returncode == 3  # the incomplete step 4
+    (job / "checkpoints" / "step-00000004" / "checkpoint-is-incomplete").unlink()
+    (job / "checkpoints" / "step-00000004").rmdir()
+    assert ftkit("verify", str(job)).returncode == 0
+    data = bytearray((step3 / "rank-00000.pt").read_bytes())
+    data[100] ^= 1  # same size: only the checksum notices
+    (step3 / "rank-00000.pt").write_bytes(bytes(data))
+    r = ftkit("verify", str(step3), "--json")
+    assert r.returncode == 3 and "checksum" in json.loads(r.stdout)[0]["reason"]
+    assert ftkit("verify", str(job / "checkpoints")).returncode == 3
+    assert ftkit("verify", str(tmp_path / "empty-nothing")).returncode != 0
+    (tmp_path / "empty").mkdir()
+    assert ftkit("verify", str(tmp_path / "empty")).returncode == 4
+
+
+def test_pin_unpin(tmp_path):
+    job = _job(tmp_path)
+    assert ftkit("pin", str(job), "2").returncode == 0
+    assert (job / "checkpoints" / "step-00000002" / "pinned").exists()
+    rows = json.loads(ftkit("ls", str(job), "--json").stdout)
+    assert {x["step"]: x["pinned"] for x in rows} == {4: False, 3: False, 2: True, 1: False}
+    # retention now keeps step 2 even with keep_last=1
+    make_mgr(job / "checkpoints", keep_last=1).save(5, small_state(5))
+    assert sorted(p.name for p in (job / "checkpoints").glob("step-*")) == [
+        "step-00000002",
+        "step-00000005",
+    ]
+    assert ftkit("unpin", str(job), "2").returncode == 0
+    assert not (job / "checkpoints" / "step-00000002" / "pinned").exists()
+    assert ftkit("pin", str(job), "99").returncode == 3
+    assert [e["event"] for e in read_events(job / "events.jsonl")] == ["pin", "unpin"]
+
+
+def test_cli_commands_do_not_import_torch(tmp_path):
+    job = _job(tmp_path)
+    code = (
+        "import sys; from ftkit.cli import main; "
+        f"rc = [main(['ls', {str(job)!r}, '--json']), main(['verify', {str(job / 'checkpoints' / 'step-00000001')!r}]),"
+        " main(['--help']) if False else 0]; "
+        "print('TORCH' if 'torch' in sys.modules else 'NOTORCH', rc)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "NOTORCH [0, 0, 0]"
+    h = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from ftkit.cli import build_parser; build_parser(); "
+            "print('torch' in sys.modules)",
+        ],
+        env=env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert h.stdout.strip() == "False"
