@@ -187,8 +187,18 @@ def test_batch_script_relays_signal_and_requeues(tmp_path: Path, sig: signal.Sig
     (bindir / "scontrol").chmod(0o755)
     jobdir = tmp_path / "job"
     # The "training": exits 0 on the forwarded signal, like a trainer that saved in time.
-    command = ("bash -c \"trap 'exit 0' USR1 TERM; touch '$JOBDIR/ready'; "
-               "while :; do sleep 0.1; done\"")
+    # (Python, not bash: the template starts the program with USR1 ignored until it installs
+    # a handler, and a bash script cannot trap a signal ignored on entry.)
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(
+        "import pathlib, signal, sys, time\n"
+        "for s in (signal.SIGUSR1, signal.SIGTERM):\n"
+        "    signal.signal(s, lambda *a: sys.exit(0))\n"
+        "pathlib.Path(sys.argv[1], 'ready').touch()\n"
+        "while True:\n"
+        "    time.sleep(0.1)\n"
+    )
+    command = f'"$PYTHON" {trainer} "$JOBDIR"'
     script = tmp_path / "job.sbatch"
     script.write_text(templates.render("single", {"jobdir": str(jobdir), "python": sys.executable,
                                                   "command": command}))
