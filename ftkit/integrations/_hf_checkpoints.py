@@ -1,0 +1,254 @@
+"""Hugging Face ``checkpoint-N`` directories made safe: mark, commit, validate, retain.
+
+Pure file work (no torch, no transformers), so resuming and listing stay cheap.
+
+    OUTPUT_DIR/
+      checkpoint-120/
+        checkpoint-is-incomplete    written before Trainer writes anything, removed last
+        model.safetensors ...       whatever Trainer saves (model, optimizer, RNG, state)
+        manifest.json               ftkit's commit proof: size + CRC-32 of every file
+
+The format of ``manifest.json`` is ftkit's own (``docs/format.md``); ``kind`` is ``hf``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import stat
+import time
+from collections.abc import Collection, Iterator
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import CheckpointInfo, validate_dir
+from ..checkpoint._files import crc32_file, fsync_dir, fsync_file
+from ..checkpoint._layout import MANIFEST, SENTINEL
+from ..checkpoint._manifest import build_manifest, write_manifest
+from ..checkpoint._retention import plan_retention
+from ..errors import CheckpointError
+
+__all__ = [
+    "PREFIX",
+    "arm",
+    "checkpoint_dirs",
+    "commit",
+    "inspect",
+    "latest_valid_checkpoint",
+    "retain",
+]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "checkpoint"
+_NAME_RE = re.compile(rf"^{PREFIX}-(\d+)$")  # the same pattern transformers uses
+
+
+def parse_hf_step(name: str) -> int | None:
+    m = _NAME_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def checkpoint_dirs(output_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every real ``checkpoint-N`` directory in ``output_dir``, newest first."""
+    root = Path(output_dir)
+    out: list[tuple[int, Path]] = []
+    try:
+        entries = list(os.scandir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    for entry in entries:
+        step = parse_hf_step(entry.name)
+        if step is not None and entry.is_dir(follow_symlinks=False):
+            out.append((step, root / entry.name))
+    out.sort(key=lambda item: item[0], reverse=True)
+    return out
+
+
+def inspect(path: str | os.PathLike[str], *, checksums: bool = False) -> CheckpointInfo:
+    """:func:`ftkit.checkpoint.validate_dir` for a ``checkpoint-N`` directory (step from the name)."""
+    path = Path(path)
+    info = validate_dir(path, checksums=checksums)
+    step = parse_hf_step(path.name)
+    if step is None:
+        return info
+    if info.valid and info.files and _manifest_step(path) not in (None, step):
+        return dataclasses.replace(info, step=step, status="corrupt",
+                                   reason=f"manifest.json does not name step {step}")
+    return dataclasses.replace(info, step=step)
+
+
+def _manifest_step(path: Path) -> int | None:
+    from ..checkpoint._manifest import read_manifest
+
+    try:
+        return int(read_manifest(path)["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def latest_valid_checkpoint(
+    output_dir: str | os.PathLike[str],
+    *,
+    checksums: bool = True,
+    events: Any = None,
+) -> str | None:
+    """The newest ``checkpoint-N`` in ``output_dir`` that carries ftkit's commit proof, or None.
+
+    Walks newest first and skips (with a log line and a ``skip`` event in ``events``, an
+    :class:`ftkit.events.EventLog`) any directory with the ``checkpoint-is-incomplete``
+    sentinel, a missing or unreadable ``manifest.json``, a missing file or a size mismatch;
+    ``checksums=True`` also recomputes each file's CRC-32. Pass the result to
+    ``trainer.train(resume_from_checkpoint=...)``.
+    """
+    for step, path in checkpoint_dirs(output_dir):
+        info = inspect(path, checksums=checksums)
+        if info.valid:
+            return str(path)
+        log.warning("skipping %s (%s): %s", path, info.status, info.reason)
+        if events is not None:
+            events.emit("skip", step=step, path=str(path), status=info.status, reason=info.reason)
+    return None
+
+
+# -- the commit ----------------------------------------------------------------------------
+
+
+def arm(path: str | os.PathLike[str], *, sync: bool = True) -> Path:
+    """Mark ``path`` incomplete before Trainer writes into it (creating it if needed).
+
+    If it already holds a manifest (a checkpoint of the same step being overwritten), the
+    sentinel goes in first and the old manifest is removed after it, so there is no moment
+    at which the directory reads as valid while its files change.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        raise CheckpointError(f"{path} is not a real directory; refusing to save a checkpoint through it")
+    fd = os.open(path / SENTINEL, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    os.close(fd)
+    if sync:
+        fsync_dir(path)
+    try:
+        os.unlink(path / MANIFEST)
+    except FileNotFoundError:
+        pass
+    else:
+        if sync:
+            fsync_dir(path)
+    return path
+
+
+def _files(path: Path) -> Iterator[str]:
+    """Relative POSIX names of every regular file under ``path`` except ftkit's own markers."""
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames.sort()
+        for name in sorted(filenames):
+            full = Path(dirpath) / name
+            rel = full.relative_to(path).as_posix()
+            if rel in (SENTINEL, MANIFEST) or name.startswith(f".{MANIFEST}.tmp-"):
+                continue
+            if stat.S_ISREG(os.lstat(full).st_mode):
+                yield rel
+
+
+def commit(
+    path: str | os.PathLike[str],
+    *,
+    step: int,
+    reason: str | None = None,
+    world_size: int = 1,
+    sync: bool = True,
+    clock=time.time,
+) -> CheckpointInfo:
+    """Seal a directory Trainer has finished writing: fsync every file, write ``manifest.json``
+    (sizes + CRC-32) last, then remove the sentinel. Raises CheckpointError if it cannot."""
+    path = Path(path)
+    try:
+        files: dict[str, dict[str, Any]] = {}
+        for rel in _files(path):
+            if sync:
+                fsync_file(path / rel)
+            size, crc = crc32_file(path / rel)
+            files[rel] = {"size": size, "crc32": crc}
+        if not files:
+            raise CheckpointError(f"{path}: Trainer wrote no files; nothing to commit")
+        if sync:
+            for dirpath, _dirs, _names in os.walk(path):
+                fsync_dir(dirpath)
+        manifest = build_manifest(step=step, time=clock(), world_size=world_size, kind="hf",
+                                  reason=reason, pinned=False, files=files)
+        write_manifest(path, manifest, sync=sync)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path / SENTINEL)
+        if sync:
+            fsync_dir(path)
+    except OSError as exc:
+        raise CheckpointError(f"could not commit checkpoint {path}: {exc}") from exc
+    return inspect(path)
+
+
+def discard_if_empty(path: str | os.PathLike[str]) -> bool:
+    """Remove a directory :func:`arm` created that Trainer never wrote into (only the sentinel)."""
+    path = Path(path)
+    try:
+        if [e.name for e in os.scandir(path)] != [SENTINEL]:
+            return False
+        os.unlink(path / SENTINEL)
+        os.rmdir(path)
+    except OSError:
+        return False
+    return True
+
+
+# -- retention -----------------------------------------------------------------------------
+
+
+def retain(
+    output_dir: str | os.PathLike[str],
+    *,
+    keep_last: int | None,
+    protect: Collection[str | os.PathLike[str]] = (),
+    events: Any = None,
+) -> list[Path]:
+    """Delete ``checkpoint-N`` directories the way ftkit's retention does (see
+    ``ftkit.checkpoint._retention``): the newest ``keep_last`` valid ones and the newest valid
+    one always stay, incomplete leftovers go once a newer valid one exists. ``protect`` (e.g.
+    Trainer's best-model checkpoint) is never deleted. Returns what was deleted."""
+    root = Path(output_dir)
+    keep = {os.path.realpath(p) for p in protect}
+    infos = [inspect(path) for _step, path in checkpoint_dirs(root)]
+    deleted: list[Path] = []
+    for info, why in plan_retention(infos, keep_last=keep_last, keep_every=None):
+        if os.path.realpath(info.path) in keep:
+            continue
+        try:
+            _delete(root, info.path)
+        except CheckpointError as exc:
+            log.warning("%s", exc)
+            continue
+        deleted.append(info.path)
+        log.info("deleted %s: %s", info.path, why)
+        if events is not None:
+            events.emit("delete", step=info.step, path=str(info.path), reason=why, status=info.status)
+    return deleted
+
+
+def _delete(root: Path, path: Path) -> None:
+    """Delete one ``checkpoint-N`` directly inside ``root``; the sentinel goes in first."""
+    if parse_hf_step(path.name) is None or os.path.realpath(path.parent) != os.path.realpath(root):
+        raise CheckpointError(f"refusing to delete {path}: not a checkpoint-N directory of {root}")
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            raise CheckpointError(f"refusing to delete {path}: not a real directory")
+    except FileNotFoundError:
+        return
+    try:
+        os.close(os.open(path / SENTINEL, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644))
+        shutil.rmtree(path)
+    except OSError as exc:
+        raise CheckpointError(f"could not delete checkpoint {path}: {exc}") from exc

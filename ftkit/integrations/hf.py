@@ -1,0 +1,406 @@
+"""Hugging Face ``transformers.Trainer`` under ftkit: signals, switch files, cross-rank
+agreement, time budget, validated resume and requeue.
+
+One call instead of ``trainer.train()``::
+
+    from ftkit.integrations.hf import train
+
+    run = train(trainer)          # resume from the newest *valid* checkpoint-N, train, close
+    if not run.completed: ...     # stopped early (preemption, time limit, kill-switch)
+
+Or without changing the script at all (``FTKIT_*`` variables configure it)::
+
+    python -m ftkit.integrations.hf train.py --my-args ...
+    torchrun --nproc-per-node 4 -m ftkit.integrations.hf train.py ...
+
+What happens: at every optimizer step the callback asks the ftkit controller what to do;
+a save sets ``control.should_save``, an exit also ``control.should_training_stop``, so
+Trainer writes ``checkpoint-N`` at the very step the ranks agreed on. ftkit writes the
+``checkpoint-is-incomplete`` sentinel into that directory before Trainer writes anything
+and seals it afterwards with ``manifest.json`` (size + CRC-32 of every file, fsynced,
+written last). :func:`latest_valid_checkpoint` resumes only from sealed checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from ..control.controller import Config, FaultTolerance
+from ..decision import Decision
+from ..errors import CheckpointError
+from ._hf_checkpoints import (
+    PREFIX,
+    arm,
+    commit,
+    discard_if_empty,
+    latest_valid_checkpoint,
+    parse_hf_step,
+    retain,
+)
+from .env import config_from_env, jobdir_from_env
+
+__all__ = ["FtkitCallback", "Run", "latest_valid_checkpoint", "patch_trainer", "train", "unpatch_trainer"]
+
+log = logging.getLogger(__name__)
+
+
+def _dist() -> Any:
+    """torch.distributed when a process group with more than one rank is up, else None."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    return dist
+
+
+def _record_save(ft: FaultTolerance, step: int, seconds: float, decision: Decision | None) -> None:
+    """Tell the controller a checkpoint became durable outside ``ft.save`` (Trainer wrote it):
+    time the save for the budget, mark older save requests as covered, and (rank 0) remove the
+    save-switch / request files the decision consumed. Mirrors the tail of ``FaultTolerance.save``.
+    """
+    # TODO(controller owner): replace with a public ``FaultTolerance.saved(step, seconds=, decision=)``.
+    ended = ft._clock()
+    ft._last_save_end = ended
+    ft._last_check = ended  # a save is not part of the next step's time
+    ft._last_saved_step = step
+    ft.budget.record_save(seconds)
+    if decision is not None:
+        ft._consume(decision)
+
+
+class FtkitCallback(TrainerCallback):
+    """Brings ftkit's decisions to a ``transformers.Trainer``.
+
+    ``ft`` is a :class:`ftkit.FaultTolerance` the caller starts and closes (as :func:`train`
+    does). Without one, the callback builds its own at ``on_train_begin`` from ``jobdir``
+    (default ``FTKIT_JOBDIR``, then ``args.output_dir``) and ``config`` (default: the
+    ``FTKIT_*`` variables), and closes it at ``on_train_end``.
+
+    ``keep_last``: after each sealed save keep the newest N valid ``checkpoint-N`` (None:
+    leave deletion to Trainer's ``save_total_limit``); default from ``config.checkpoint``.
+    Use :meth:`attach` rather than ``callbacks=[...]`` so the sentinel is written for every
+    save Trainer makes (best-model saves included), not only those decided at step end.
+    """
+
+    def __init__(
+        self,
+        ft: FaultTolerance | None = None,
+        *,
+        jobdir: str | os.PathLike[str] | None = None,
+        config: Config | None = None,
+        keep_last: int | str | None = "config",
+    ) -> None:
+        self.ft = ft
+        self._jobdir = jobdir
+        self._config = config
+        self._owns_ft = ft is None
+        self._keep_last = keep_last
+        self.decision: Decision | None = None
+        """The exit decision that stopped training (None: not stopped by ftkit)."""
+        self.completed = False
+        """True once Trainer reached ``max_steps`` without ftkit stopping it."""
+        self._save_decision: Decision | None = None
+        self._reason: str | None = None
+        self._armed: Path | None = None
+        self._began = 0.0
+        self._wrapped = False
+
+    # -- wiring -----------------------------------------------------------------------------
+
+    def attach(self, trainer: Any) -> FtkitCallback:
+        """Add this callback to ``trainer`` and mark every checkpoint incomplete before Trainer
+        writes it (wraps the instance's ``_save_checkpoint``, Trainer's one save path)."""
+        if self not in trainer.callback_handler.callbacks:
+            trainer.add_callback(self)
+        original = trainer._save_checkpoint
+        if getattr(original, "_ftkit_callback", None) is self:
+            return self
+
+        @functools.wraps(original)
+        def _save_checkpoint(model: Any, trial: Any, *args: Any, **kwargs: Any) -> Any:
+            path = Path(trainer._get_output_dir(trial=trial)) / f"{PREFIX}-{trainer.state.global_step}"
+            self._arm(trainer.args, trainer.state.global_step, path)
+            return original(model, trial, *args, **kwargs)
+
+        _save_checkpoint._ftkit_callback = self  # type: ignore[attr-defined]
+        trainer._save_checkpoint = _save_checkpoint
+        self._wrapped = True
+        return self
+
+    def detach(self, trainer: Any) -> None:
+        """Undo :meth:`attach`."""
+        if getattr(trainer.__dict__.get("_save_checkpoint"), "_ftkit_callback", None) is self:
+            del trainer._save_checkpoint
+        self._wrapped = False
+        if self in trainer.callback_handler.callbacks:
+            trainer.remove_callback(self)
+
+    @property
+    def keep_last(self) -> int | None:
+        if self._keep_last != "config":
+            return self._keep_last  # type: ignore[return-value]
+        ckpt = self.ft.config.checkpoint if self.ft is not None else None
+        return None if ckpt is None else ckpt.keep_last
+
+    # -- Trainer events ---------------------------------------------------------------------
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.ft is None:
+            jobdir = self._jobdir or jobdir_from_env() or args.output_dir
+            config = self._config or config_from_env(jobdir=jobdir)
+            self.ft = FaultTolerance(jobdir, config=config)
+        self.ft.start()
+        self.decision = None
+        self.completed = False
+        if args.save_total_limit is not None and args.should_save:
+            log.warning(
+                "save_total_limit=%s: Trainer deletes old checkpoints before ftkit has sealed the new "
+                "one, so a crash right then can leave no valid checkpoint; prefer FTKIT_KEEP_LAST",
+                args.save_total_limit,
+            )
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        assert self.ft is not None, "FtkitCallback: on_train_begin was not called"
+        step = state.global_step
+        self._discard_unused()
+        decision = self.ft.check(step)
+        every = self.ft.config.save_every
+        if decision.exit:
+            control.should_training_stop = True
+            self.decision = decision
+        if decision.save:
+            control.should_save = True
+            self._save_decision = decision
+            self._reason = "; ".join(decision.reasons)
+        elif decision.exit:
+            control.should_save = False  # exit without saving (kill-switch present at start)
+        elif every is not None and step % every == 0 and not self.ft.stopping:
+            control.should_save = True
+            self._reason = f"periodic (every {every} steps)"
+        if control.should_save and not self._wrapped:
+            self._arm(args, step)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if control.should_save and not self._wrapped:
+            self._arm(args, state.global_step)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._seal(args, state)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._discard_unused()
+        self.completed = self.decision is None and state.global_step >= state.max_steps
+        if self.ft is not None:
+            self.ft.completed = self.completed
+            if self._owns_ft:
+                self.ft.close()
+                self.ft = None
+
+    # -- the commit -------------------------------------------------------------------------
+
+    def _arm(self, args: Any, step: int, path: Path | None = None) -> None:
+        self._discard_unused()
+        path = path if path is not None else Path(args.output_dir) / f"{PREFIX}-{step}"
+        if args.should_save:
+            arm(path)
+        self._armed = path
+        self._began = self.ft._clock() if self.ft is not None else time.monotonic()
+
+    def _discard_unused(self) -> None:
+        """A directory armed for a save Trainer then skipped (e.g. not a new best model)."""
+        if self._armed is not None:
+            discard_if_empty(self._armed)
+            self._armed = None
+
+    def _seal(self, args: Any, state: Any) -> None:
+        ft = self.ft
+        assert ft is not None, "FtkitCallback: on_train_begin was not called"
+        if self._armed is None:  # a save we did not see coming: its duration is unknown
+            self._began = ft._clock()
+        path = self._armed or Path(args.output_dir) / f"{PREFIX}-{state.global_step}"
+        step = parse_hf_step(path.name)
+        step = state.global_step if step is None else step
+        decision, reason = self._save_decision, self._reason or "Trainer save_strategy"
+        self._armed, self._save_decision, self._reason = None, None, None
+        dist = _dist()
+        if dist is not None:
+            dist.barrier()  # every rank's files (RNG state, shards) are written
+        if args.should_save:
+            try:
+                info = commit(path, step=step, reason=reason, world_size=ft.world_size)
+            except CheckpointError as exc:
+                ft.events.emit("save-failed", step=step, path=str(path), reason=reason, error=str(exc))
+                if decision is not None and decision.exit:
+                    raise
+                log.warning("checkpoint at step %d could not be sealed, training continues: %s", step, exc)
+                return
+            seconds = ft._clock() - self._began
+            ft.events.emit("save", step=step, path=str(path), bytes=info.size, seconds=round(seconds, 3),
+                           reason=reason, kind="hf")
+            if self.keep_last is not None:
+                best = state.best_model_checkpoint
+                retain(path.parent, keep_last=self.keep_last, protect=[best] if best else (),
+                       events=ft.events)
+        if dist is not None:
+            dist.barrier()  # the manifest is durable before any rank acts on it (exit, requeue)
+        _record_save(ft, step, ft._clock() - self._began, decision)
+
+
+# -- one call: resume + callback + close --------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """What :func:`train` did."""
+
+    output: Any
+    """Trainer's ``TrainOutput`` (None when a kill-switch stopped the run before it began)."""
+    completed: bool
+    """Training reached ``max_steps``."""
+    decision: Decision | None
+    """The exit decision that stopped training early, if any (``decision.requeue``: the wish)."""
+    resumed_from: str | None
+    """The checkpoint training resumed from."""
+    stopped: bool = False
+    """ftkit stopped the run (an exit decision or a kill-switch present at start)."""
+
+
+def _resume_path(ft: FaultTolerance, output_dir: str, resume: bool | str, checksums: bool) -> str | None:
+    if resume is False:
+        return None
+    if isinstance(resume, (str, os.PathLike)):
+        return os.fspath(resume)
+    path = latest_valid_checkpoint(output_dir, checksums=checksums, events=ft.events) if ft.rank == 0 else None
+    dist = _dist()
+    if dist is not None:  # one rank chooses, so all resume from the same checkpoint
+        box = [path]
+        dist.broadcast_object_list(box, src=0)
+        path = box[0]
+    return path
+
+
+@contextlib.contextmanager
+def _active(trainer: Any) -> Iterator[None]:
+    trainer._ftkit_active = True
+    try:
+        yield
+    finally:
+        trainer._ftkit_active = False
+
+
+def _run(
+    trainer: Any,
+    call: Callable[[str | None], Any],
+    *,
+    jobdir: str | os.PathLike[str] | None,
+    config: Config | None,
+    resume: bool | str,
+    checksums: bool,
+) -> Run:
+    jobdir = jobdir or jobdir_from_env() or trainer.args.output_dir
+    config = config if config is not None else config_from_env(jobdir=jobdir)
+    ft = FaultTolerance(jobdir, config=config)
+    callback = FtkitCallback(ft)
+    with ft, _active(trainer):
+        if ft.stopping:
+            log.warning("ftkit: kill-switch present, not training")
+            return Run(None, False, None, None, stopped=True)
+        resumed = _resume_path(ft, trainer.args.output_dir, resume, checksums)
+        if resumed is not None:
+            step = parse_hf_step(Path(resumed).name)
+            ft.events.emit("resume", step=step, path=resumed)
+            ft._last_saved_step = step  # shown in the exit event if nothing newer is saved
+        else:
+            ft.events.emit("resume", step=None)
+        callback.attach(trainer)
+        try:
+            output = call(resumed)
+        finally:
+            callback.detach(trainer)
+        return Run(output, callback.completed, callback.decision, resumed,
+                   stopped=callback.decision is not None)
+
+
+def train(
+    trainer: Any,
+    jobdir: str | os.PathLike[str] | None = None,
+    *,
+    config: Config | None = None,
+    resume: bool | str = True,
+    checksums: bool = True,
+    **train_kwargs: Any,
+) -> Run:
+    """Resume ``trainer`` from the newest valid checkpoint, train under ftkit, close.
+
+    ``jobdir`` (default ``FTKIT_JOBDIR``, then ``trainer.args.output_dir``) holds the switch
+    files and ``events.jsonl``; ``config`` defaults to the ``FTKIT_*`` variables. ``resume``:
+    True picks :func:`latest_valid_checkpoint` of ``args.output_dir`` (``checksums`` verifies
+    CRC-32s too), False starts fresh, a path resumes from it. Other keywords go to
+    ``trainer.train``.
+    """
+    return _run(trainer, lambda ckpt: trainer.train(resume_from_checkpoint=ckpt, **train_kwargs),
+                jobdir=jobdir, config=config, resume=resume, checksums=checksums)
+
+
+# -- no script change: patch Trainer.train ------------------------------------------------
+
+_ORIGINAL_TRAIN: Callable[..., Any] | None = None
+
+
+def patch_trainer(*, jobdir: str | os.PathLike[str] | None = None, config: Config | None = None,
+                  exit_on_stop: bool = True) -> None:
+    """Make every ``transformers.Trainer.train()`` in this process run under ftkit.
+
+    ``train()`` / ``train(resume_from_checkpoint=True)`` resume from the newest *valid*
+    checkpoint, ``False`` starts fresh, a path resumes from it. When ftkit stops training
+    early, ``exit_on_stop`` raises ``SystemExit(0)`` after the checkpoint is sealed, so the
+    script's post-training code (final save, evaluation, upload) does not run on a job that
+    is being preempted. Idempotent; :func:`unpatch_trainer` undoes it.
+    """
+    global _ORIGINAL_TRAIN
+    import transformers
+
+    if _ORIGINAL_TRAIN is not None:
+        return
+    original = transformers.Trainer.train
+
+    @functools.wraps(original)
+    def train_under_ftkit(self: Any, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self, "_ftkit_active", False):  # a subclass's train() calling super().train()
+            return original(self, resume_from_checkpoint, *args, **kwargs)
+        resume = True if resume_from_checkpoint is None else resume_from_checkpoint
+        run = _run(self, lambda ckpt: original(self, ckpt, *args, **kwargs),
+                   jobdir=jobdir, config=config, resume=resume, checksums=True)
+        if run.stopped and exit_on_stop:
+            raise SystemExit(0)
+        return run.output
+
+    _ORIGINAL_TRAIN = original
+    transformers.Trainer.train = train_under_ftkit  # type: ignore[method-assign]
+
+
+def unpatch_trainer() -> None:
+    """Restore ``transformers.Trainer.train``."""
+    global _ORIGINAL_TRAIN
+    if _ORIGINAL_TRAIN is None:
+        return
+    import transformers
+
+    transformers.Trainer.train = _ORIGINAL_TRAIN  # type: ignore[method-assign]
+    _ORIGINAL_TRAIN = None
+
+
+if __name__ == "__main__":
+    from ftkit.integrations._hf_launch import main
+
+    sys.exit(main())

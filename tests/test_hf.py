@@ -1,0 +1,185 @@
+"""Hugging Face Trainer integration: real signals to real processes, real checkpoint files.
+
+The model is a 2-layer GPT-2 built from a config (nothing downloaded), trained on CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+import ftkit  # noqa: E402
+from ftkit.checkpoint._layout import MANIFEST, SENTINEL  # noqa: E402
+from ftkit.events import EventLog, read_events  # noqa: E402
+from ftkit.integrations._hf_checkpoints import arm, commit, inspect  # noqa: E402
+from ftkit.integrations.hf import FtkitCallback, latest_valid_checkpoint, train  # noqa: E402
+from tests.conftest import wait_for  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PROGRAM = ROOT / "tests" / "programs" / "hf_train.py"
+
+_spec = importlib.util.spec_from_file_location("hf_train_program", PROGRAM)
+program = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(program)
+
+QUIET = ftkit.Config(
+    signals=ftkit.SignalConfig(enabled=False),
+    watch=ftkit.WatchConfig(mode="off"),
+    budget=ftkit.BudgetConfig(enabled=False),
+)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FTKIT_", "SLURM_"))}
+    env.update(PYTHONPATH=str(ROOT), FTKIT_WATCH="off", HF_HUB_OFFLINE="1", **extra)
+    return env
+
+
+def _weights(trainer) -> dict:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_import_ftkit_stays_free_of_transformers():
+    code = ("import sys, ftkit, ftkit.integrations, ftkit.integrations.env; "
+            "sys.exit('transformers' in sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, env=_env(), timeout=60)
+
+
+def test_sigterm_then_resume_in_a_new_process_matches_uninterrupted(tmp_path):
+    """SIGTERM at step 5 -> checkpoint-5 sealed, exit; a new process (the launcher, plain
+    ``trainer.train()``) resumes and ends bit for bit where an uninterrupted run ends.
+    12 steps over 10-step epochs with dropout on: data order and RNG state both must resume."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(PROGRAM), str(out), "--steps", "12", "--pause-at", "5"],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        reference = program.build_trainer(tmp_path / "reference", 12)
+        reference.train()  # plain Trainer, never interrupted (runs while the child starts up)
+        expected = _weights(reference)
+        wait_for(lambda: (out / "paused").exists() or proc.poll() is not None, timeout=60, what="step 5")
+        proc.send_signal(signal.SIGTERM)
+        log = proc.communicate(timeout=60)[0].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, log
+    assert json.loads((out / "result.json").read_text())["completed"] is False
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-5"]
+    assert inspect(out / "checkpoint-5", checksums=True).valid
+    assert not (out / "checkpoint-5" / SENTINEL).exists()
+    events = list(read_events(out / "events.jsonl"))
+    assert [(e["event"], e.get("step")) for e in events if e["event"] in ("decision", "save", "exit")] == [
+        ("decision", 5), ("save", 5), ("exit", 5)]
+
+    resumed = subprocess.run([sys.executable, "-m", "ftkit.integrations.hf", str(PROGRAM), str(out),
+                              "--steps", "12", "--mode", "launcher"],
+                             env=_env(), capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    events = list(read_events(out / "events.jsonl"))
+    assert [e.get("path") for e in events if e["event"] == "resume"][-1] == str(out / "checkpoint-5")
+    assert events[-1]["event"] == "exit" and events[-1]["completed"] is True
+
+    got = torch.load(out / "final.pt")
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def _fake_checkpoint(output_dir: Path, step: int) -> Path:
+    path = arm(output_dir / f"checkpoint-{step}")
+    (path / "model.safetensors").write_bytes(bytes(range(256)) * 4)
+    (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    commit(path, step=step)
+    return path
+
+
+def test_latest_valid_checkpoint_skips_broken_ones(tmp_path):
+    for step in (1, 2, 3, 4, 5, 6):
+        _fake_checkpoint(tmp_path, step)
+    (tmp_path / "checkpoint-6" / SENTINEL).touch()  # leftover sentinel
+    (tmp_path / "checkpoint-5" / MANIFEST).write_text("{garbled")
+    with open(tmp_path / "checkpoint-4" / "model.safetensors", "r+b") as f:
+        f.truncate(100)  # truncated: size mismatch
+    blob = tmp_path / "checkpoint-3" / "model.safetensors"
+    data = bytearray(blob.read_bytes())
+    data[10] ^= 0xFF  # same size, one byte flipped: only the checksum sees it
+    blob.write_bytes(bytes(data))
+    (tmp_path / "checkpoint-7").mkdir()  # never got a manifest
+    (tmp_path / "checkpoint-8").symlink_to(tmp_path / "checkpoint-1")  # links are never followed
+
+    events = EventLog(tmp_path / "events.jsonl")
+    assert latest_valid_checkpoint(tmp_path, events=events) == str(tmp_path / "checkpoint-2")
+    assert latest_valid_checkpoint(tmp_path, checksums=False) == str(tmp_path / "checkpoint-3")
+    skipped = {e["step"]: e["reason"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "skip"}
+    assert sorted(skipped) == [3, 4, 5, 6, 7]
+    assert SENTINEL in skipped[6] and "JSON" in skipped[5] and "size" in skipped[4]
+    assert "checksum" in skipped[3] and "manifest" in skipped[7]
+    assert latest_valid_checkpoint(tmp_path / "missing") is None
+
+
+def test_resume_skips_a_corrupted_newer_checkpoint(tmp_path):
+    """Real Trainer: periodic saves at 3 and 6, checkpoint-6's weights truncated; the next
+    run resumes from checkpoint-3, logs why, and ftkit's retention keeps the newest two."""
+    out = tmp_path / "run"
+    config = ftkit.Config(signals=QUIET.signals, watch=QUIET.watch, budget=QUIET.budget, save_every=3,
+                          checkpoint=ftkit.CheckpointConfig(root=tmp_path / "unused", keep_last=2))
+    first = train(program.build_trainer(out, 6), config=config)
+    assert first.completed and first.resumed_from is None
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
+    weights = out / "checkpoint-6" / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+
+    second = train(program.build_trainer(out, 9), config=config)
+    assert second.completed and second.resumed_from == str(out / "checkpoint-3")
+    events = list(read_events(out / "events.jsonl"))
+    assert any(e["event"] == "skip" and e["step"] == 6 and "size" in e["reason"] for e in events)
+    # saves at 6 (re-done, sealed again) and 9; retention deleted 3, the oldest valid one
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-9"]
+    assert all(inspect(p, checksums=True).valid for p in out.glob("checkpoint-*"))
+
+
+def test_save_switch_saves_keeps_training_and_is_removed(tmp_path):
+    out = tmp_path / "run"
+    ft = ftkit.FaultTolerance(out, config=ftkit.Config(
+        signals=QUIET.signals, budget=QUIET.budget, watch=ftkit.WatchConfig(mode="polling", poll_interval=0.02)))
+
+    class TouchAt2(program.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                ft.job.save_switch.touch()
+                wait_for(lambda: ft.box.pending, timeout=10, what="the save-switch to be seen")
+
+    trainer = program.build_trainer(out, 4, [TouchAt2()])
+    with ft:
+        callback = FtkitCallback(ft).attach(trainer)
+        trainer.train()
+        callback.detach(trainer)
+    assert callback.completed and callback.decision is None
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-2"]
+    assert inspect(out / "checkpoint-2", checksums=True).valid
+    assert not ft.job.save_switch.exists()
+    assert any(e["event"] == "switch-removed" for e in read_events(out / "events.jsonl"))
+
+
+def test_kill_switch_present_at_start_trains_nothing(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "kill-switch").touch()
+    trainer = program.build_trainer(out, 4)
+    before = _weights(trainer)
+    run = train(trainer, config=QUIET)
+    assert run.stopped and not run.completed and run.output is None
+    assert trainer.state.global_step == 0 and not list(out.glob("checkpoint-*"))
+    assert all(torch.equal(before[k], v) for k, v in _weights(trainer).items())
