@@ -174,6 +174,11 @@ class FaultTolerance:
         self.box.post(Request(act, Source.API, reason, requeue=requeue, created=self._clock()))
 
     @property
+    def final_decision(self) -> Decision | None:
+        """The exit decision once one is taken (the same on every rank), else None."""
+        return self._final
+
+    @property
     def last_saved_step(self) -> int | None:
         """Step of the newest checkpoint this run saved or resumed from (None: none yet)."""
         return self._last_saved_step
@@ -283,6 +288,13 @@ class FaultTolerance:
         """
         self.start()
         first = self.resume() if start is None else start
+        # One check before the first step: a kill-switch present at start, or a signal that
+        # came during start-up, ends the run before it trains anything.
+        decision = self.check(first)
+        if decision.save and self._last_saved_step != first:
+            self.save(first, decision=decision)
+        if decision.exit:
+            return
         for s in range(first, total):
             yield s
             if self.step(s + 1).exit:
@@ -337,14 +349,20 @@ class FaultTolerance:
                 raise
             log.warning("checkpoint at step %d failed, training continues: %s", step, exc)
             return None
+        self.saved(step, seconds=self._clock() - began, decision=decision)
+        return info
+
+    def saved(self, step: int, *, seconds: float, decision: Decision | None = None) -> None:
+        """Record that a checkpoint of ``step`` is durable, for checkpoints written outside
+        ``save`` (integrations whose framework writes the files): times it for the budget,
+        and removes the save-switch and request files the decision acted on."""
         ended = self._clock()
         self._last_save_end = ended
         self._last_check = ended  # a save is not part of the next step's time
         self._last_saved_step = step
-        self.budget.record_save(ended - began)
+        self.budget.record_save(seconds)
         if decision is not None:
             self._consume(decision)
-        return info
 
     def _forget_requests(self) -> None:
         """Remove the request files this run saw, so the next run does not act on them again

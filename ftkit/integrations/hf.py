@@ -64,18 +64,8 @@ def _dist() -> Any:
 
 
 def _record_save(ft: FaultTolerance, step: int, seconds: float, decision: Decision | None) -> None:
-    """Tell the controller a checkpoint became durable outside ``ft.save`` (Trainer wrote it):
-    time the save for the budget, mark older save requests as covered, and (rank 0) remove the
-    save-switch / request files the decision consumed. Mirrors the tail of ``FaultTolerance.save``.
-    """
-    # TODO(controller owner): replace with a public ``FaultTolerance.saved(step, seconds=, decision=)``.
-    ended = ft._clock()
-    ft._last_save_end = ended
-    ft._last_check = ended  # a save is not part of the next step's time
-    ft._last_saved_step = step
-    ft.budget.record_save(seconds)
-    if decision is not None:
-        ft._consume(decision)
+    """Tell the controller a checkpoint became durable outside ``ft.save`` (Trainer wrote it)."""
+    ft.saved(step, seconds=seconds, decision=decision)
 
 
 class FtkitCallback(TrainerCallback):
@@ -214,7 +204,7 @@ class FtkitCallback(TrainerCallback):
         if args.should_save:
             arm(path)
         self._armed = path
-        self._began = self.ft._clock() if self.ft is not None else time.monotonic()
+        self._began = time.monotonic()
 
     def _discard_unused(self) -> None:
         """A directory armed for a save Trainer then skipped (e.g. not a new best model)."""
@@ -226,7 +216,7 @@ class FtkitCallback(TrainerCallback):
         ft = self.ft
         assert ft is not None, "FtkitCallback: on_train_begin was not called"
         if self._armed is None:  # a save we did not see coming: its duration is unknown
-            self._began = ft._clock()
+            self._began = time.monotonic()
         path = self._armed or Path(args.output_dir) / f"{PREFIX}-{state.global_step}"
         step = parse_hf_step(path.name)
         step = state.global_step if step is None else step
@@ -244,7 +234,7 @@ class FtkitCallback(TrainerCallback):
                     raise
                 log.warning("checkpoint at step %d could not be sealed, training continues: %s", step, exc)
                 return
-            seconds = ft._clock() - self._began
+            seconds = time.monotonic() - self._began
             ft.events.emit("save", step=step, path=str(path), bytes=info.size, seconds=round(seconds, 3),
                            reason=reason, kind="hf")
             if self.keep_last is not None:
@@ -253,7 +243,7 @@ class FtkitCallback(TrainerCallback):
                        events=ft.events)
         if dist is not None:
             dist.barrier()  # the manifest is durable before any rank acts on it (exit, requeue)
-        _record_save(ft, step, ft._clock() - self._began, decision)
+        _record_save(ft, step, time.monotonic() - self._began, decision)
 
 
 # -- one call: resume + callback + close --------------------------------------------------
