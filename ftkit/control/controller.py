@@ -119,6 +119,12 @@ class FaultTolerance:
         self._signals.start()
         self._watcher.start()
         self.budget.start()
+        left = self.budget.time_left()
+        if left is not None and left < self.budget.save_estimate + self.budget.config.margin:
+            log.warning(
+                "time budget: only %.0f s left at start, less than save %.0f s + margin %.0f s; the "
+                "job will stop after its first step. Ask for more time or lower budget.margin / "
+                "budget.save_estimate", left, self.budget.save_estimate, self.budget.config.margin)
         if self.world_size > 1:
             self._collective = Collective(self.config.agreement, self._group)
         from ..slurm.env import SlurmEnv
@@ -202,9 +208,11 @@ class FaultTolerance:
             return self._final
         if self.box.pending:
             self._take(self.box.drain(), step)
-        # Between agreements a trigger waits up to ``every`` steps: look that far ahead.
+        # Between agreements a trigger waits up to ``every`` steps: look that far ahead. The
+        # budget only acts once there is progress to save: stopping at the step just resumed
+        # from would requeue a job that can never move forward.
         ahead = (self._every - 1) * self.budget.step_estimate if self._collective is not None else 0.0
-        if self.budget.due(self._wallclock() + ahead):
+        if step > (self._last_saved_step or 0) and self.budget.due(self._wallclock() + ahead):
             self._take([self.budget.request()], step)
         if self._collective is not None:
             if not (self._first_check or step % self._every == 0):
