@@ -1,0 +1,160 @@
+"""``ftkit status JOBDIR``: is my job safe, and what happens if it dies now? One screen.
+
+Reads only files (events log, checkpoints, switch and request files) plus one
+``scontrol show job`` when the events log names a SLURM job; never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, SlurmError
+
+__all__ = ["collect_status", "register"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="job state, pending triggers, checkpoints, time left and recent events")
+    p.add_argument("jobdir", type=Path)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--events", type=int, default=10, metavar="N", help="show the last N events")
+    p.set_defaults(func=_status)
+
+
+def _slurm(job_id: str | None) -> dict[str, Any] | None:
+    """The job's state and time left from ``scontrol show job``; an error entry if SLURM can't say."""
+    if not job_id:
+        return None
+    from ..slurm.env import job_end_time, job_info
+
+    try:
+        info = job_info(job_id)
+        end = job_end_time(job_id)
+    except SlurmError as exc:
+        return {"job_id": job_id, "state": None, "error": str(exc)}
+    state = info.get("JobState")
+    return {
+        "job_id": job_id,
+        "state": state,
+        "reason": info.get("Reason"),
+        "restarts": info.get("Restarts"),
+        "end_time": end,
+        "time_left": (end - time.time()) if end is not None and state == "RUNNING" else None,
+    }
+
+
+def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
+    """Everything ``ftkit status`` shows, as plain data (also its ``--json`` output)."""
+    from ..checkpoint import CheckpointConfig, make_manager
+    from ..events import read_events
+    from ..jobdir import JobDir
+
+    if not Path(jobdir).is_dir():
+        raise ConfigError(f"job dir {jobdir} does not exist; pass the directory the job was started with")
+    job = JobDir.of(jobdir)
+    now = time.time()
+    requests = []
+    for path in sorted(job.requests.glob("*.json")) if job.requests.is_dir() else []:
+        try:
+            requests.append({"path": str(path), **json.loads(path.read_text())})
+        except (OSError, json.JSONDecodeError) as exc:
+            requests.append({"path": str(path), "error": str(exc)})
+    log = list(read_events(job.events))
+    starts = [e for e in log if e.get("event") == "start"]
+    last_start = starts[-1] if starts else None
+    exits = [e for e in log if e.get("event") == "exit"]
+    running = last_start is not None and (not exits or exits[-1]["time"] < last_start["time"])
+    saves = [e for e in log if e.get("event") == "save" and "seconds" in e]
+    save_estimate = max((float(e["seconds"]) for e in saves[-5:]), default=None)
+
+    mgr = make_manager(CheckpointConfig(root=job.checkpoints), events=None, rank=0, world_size=1)
+    items = []
+    for info in mgr.list():
+        items.append({
+            "step": info.step, "path": str(info.path), "status": info.status, "valid": info.valid,
+            "reason": info.reason, "pinned": info.pinned, "size": info.size, "time": info.time,
+            "age": None if info.time is None else now - info.time, "saved_for": info.saved_for,
+        })
+    newest = next((c for c in items if c["valid"]), None)
+
+    slurm = _slurm(last_start.get("job_id") if last_start else None)
+    deadline = last_start.get("deadline") if last_start else None
+    time_left = slurm.get("time_left") if slurm else None
+    if time_left is None and deadline is not None and running:
+        time_left = float(deadline) - now
+    if newest is None:
+        verdict = "no valid checkpoint yet: if the job dies now, it starts from scratch"
+    else:
+        verdict = f"if the job dies now, it resumes from step {newest['step']}"
+    if time_left is not None and save_estimate is not None:
+        verdict += (f"; {time_left:.0f} s left, a save takes ~{save_estimate:.1f} s"
+                    + (" (enough)" if time_left > 2 * save_estimate else " (TIGHT)"))
+    return {
+        "jobdir": str(job.root),
+        "time": now,
+        "running": running,
+        "slurm": slurm,
+        "save_switch": job.save_switch.is_file(),
+        "kill_switch": job.kill_switch.is_file(),
+        "requests": requests,
+        "checkpoints": items,
+        "newest_valid": newest,
+        "problems": [c for c in items if not c["valid"]],
+        "save_estimate": save_estimate,
+        "time_left": time_left,
+        "verdict": verdict,
+        "events": log[-events:] if events > 0 else [],
+    }
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def _status(args: argparse.Namespace) -> int:
+    status = collect_status(args.jobdir, events=args.events)
+    if args.json:
+        print(json.dumps(status, indent=2, default=str))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(soft_wrap=True)
+    console.print(f"[bold]{status['jobdir']}[/]  {'running' if status['running'] else 'not running'}")
+    s = status["slurm"]
+    if s:
+        left = "" if s.get("time_left") is None else f", {s['time_left']:.0f} s left"
+        console.print(f"SLURM job {s['job_id']}: {s.get('state') or s.get('error')}"
+                      f"{'' if not s.get('reason') or s['reason'] == 'None' else ' (' + s['reason'] + ')'}{left}")
+    pending = []
+    if status["save_switch"]:
+        pending.append("save-switch (save at the next step)")
+    if status["kill_switch"]:
+        pending.append("[red]kill-switch[/] (save and stop; later runs exit at once; `ftkit kill --clear`)")
+    pending += [f"request: {r.get('action', '?')} {r.get('reason', '')}" for r in status["requests"]]
+    console.print("pending: " + (", ".join(pending) if pending else "nothing"))
+    console.print(f"[bold]{status['verdict']}[/]")
+    if status["checkpoints"]:
+        table = Table("step", "age", "size", "status", "pinned", "why", title="checkpoints")
+        for c in status["checkpoints"]:
+            colour = {"valid": "green", "incomplete": "yellow"}.get(c["status"], "red")
+            table.add_row(str(c["step"]), _age(c["age"]), f"{(c['size'] or 0) / 1e6:.1f} MB",
+                          f"[{colour}]{c['status']}[/]", "yes" if c["pinned"] else "",
+                          c["reason"] or c["saved_for"] or "")
+        console.print(table)
+    table = Table("time", "event", "rank", "step", "details", title="recent events")
+    for e in status["events"]:
+        details = e.get("reason") or e.get("reasons") or e.get("action") or ""
+        table.add_row(time.strftime("%H:%M:%S", time.localtime(e["time"])), e["event"],
+                      str(e.get("rank", "")), str(e.get("step", "")), str(details))
+    console.print(table)
+    return 0
