@@ -6,6 +6,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from ..errors import CheckpointError, NoCheckpointError
 
@@ -112,6 +113,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress(items: list[Any], what: str, *, quiet: bool) -> Any:
+    """A progress bar on stderr over ``items`` (checksumming reads every byte: it can take minutes)."""
+    if quiet or len(items) < 2:
+        return items
+    from rich.console import Console
+    from rich.progress import track
+
+    return track(items, description=f"{what} {len(items)} checkpoints", transient=True,
+                 console=Console(stderr=True))
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from ..checkpoint import validate_dir
     from ..checkpoint._layout import MANIFEST, SENTINEL, list_step_dirs, parse_step
@@ -128,7 +140,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         where = str(root)
     if not dirs:
         raise NoCheckpointError(f"no checkpoints under {where}")
-    infos = [validate_dir(p, checksums=True) for p in dirs]
+    infos = [validate_dir(p, checksums=True) for p in _progress(dirs, "verifying", quiet=args.json)]
     if args.json:
         _dump(infos)
     else:
