@@ -112,7 +112,7 @@ def train(settings: DemoSettings, *, on_step: Callable[[StepInfo], None] | None 
     loss_fn = nn.MSELoss()
     with ftkit.FaultTolerance(settings.jobdir, state=state, config=config) as ft:
         for step in ft.range(settings.steps):
-            batch = []
+            batch: list[int] = []
             while len(batch) < settings.batch_size:
                 try:
                     batch.append(next(order))

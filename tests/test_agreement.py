@@ -78,5 +78,5 @@ def test_flags_roundtrip_and_kill_wins_over_requeue() -> None:
 
 @pytest.mark.parametrize("every", [0, -3, 2.5])
 def test_bad_cadence(every) -> None:
-    with pytest.raises(ConfigError, match="agreement.every"):
+    with pytest.raises(ConfigError, match=r"agreement\.every"):
         AgreementConfig(every=every)

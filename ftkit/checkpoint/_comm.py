@@ -70,7 +70,9 @@ class Comm:
             except Exception as exc:
                 error, problem = exc, str(exc)
         gathered = self.gather((result, problem) if self.rank == 0 else None)
-        result, problem = gathered[0]
+        first = gathered[0]
+        assert first is not None  # rank 0 always sends its pair
+        result, problem = first
         if error is not None:
             raise error
         if problem:

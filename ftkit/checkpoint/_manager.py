@@ -14,6 +14,7 @@ Commit protocol of one save (``persist``):
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import logging
@@ -365,7 +366,7 @@ class Checkpointer:
             unpin_checkpoint(self.root, step, sync=self.config.fsync)
             self._emit("unpin", step=step)
 
-    def apply_retention(self) -> list[Path]:
+    def apply_retention(self) -> builtins.list[Path]:
         """Delete what the retention policy says (rank 0 only); returns the deleted paths."""
         if self.rank != 0:
             return []

@@ -50,7 +50,7 @@ def write_state_file(
     if progress is not None:
         progress.writer = writer
     try:
-        torch.save(payload, writer)
+        torch.save(payload, writer)  # type: ignore[arg-type]  # a binary file-like object
         writer.close(sync=sync)
     except BaseException as exc:
         writer.abort()

@@ -65,7 +65,7 @@ class _Copier:
         if is_stateful(value):
             return self(value.state_dict(), where)
         if isinstance(value, Mapping):
-            kind = (
+            kind: Any = (
                 type(value)
                 if type(value) in (dict,) or type(value).__name__ == "OrderedDict"
                 else dict

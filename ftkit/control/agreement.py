@@ -20,7 +20,7 @@ from typing import Any
 from ..decision import Action, Request, Source
 from ..errors import ConfigError
 
-__all__ = ["AgreementConfig", "Flag", "encode", "decode_flags"]
+__all__ = ["AgreementConfig", "Flag", "decode_flags", "encode"]
 
 
 class Flag(enum.IntEnum):
