@@ -1,0 +1,359 @@
+"""How much a checkpoint costs the training loop: ftkit async/crash-safe vs copy, torch.save, DCP.
+
+    python benchmarks/checkpoint_speed.py --sizes 0.25,1,3 [--dir DIR] [--json FILE]
+
+For each state size (GB of model + Adam state: Linear(2048, 2048) layers, parameters, exp_avg,
+exp_avg_sq, all float32) every variant runs in a fresh subprocess, so its peak extra host
+memory is ``VmHWM - VmRSS`` measured around the operation (the high-water mark is reset
+through /proc/self/clear_refs after the state is built). Variants, side by side in one run:
+
+* ``copy``        the limit: ``copy_`` of every tensor into preallocated host buffers
+* ``torch.save``  torch.save + fsync of the state dicts (the loop waits for all of it)
+* ``dcp``         torch.distributed.checkpoint.save (single process)
+* ``dcp-async``   torch.distributed.checkpoint.async_save (stall = until it returns)
+* ``ftkit-async`` AsyncCheckpointer.save (thread worker); stall of a steady-state save
+* ``ftkit-shm``   AsyncCheckpointer(crash_safe=True): copy into /dev/shm, saver process persists
+* ``raw-write``   os.write of the same number of bytes + fsync: the disk's sequential bandwidth
+
+plus resume times (torch.load, DCP load, ftkit load with CRC check) and a steady training loop
+(Adam steps) checkpointing every N steps with ftkit-async vs torch.save vs none. Goals, as ratios:
+stall <= 1.25x copy; stall >= 5x smaller than torch.save+fsync at 1 GB; persist throughput
+>= 0.8x raw write bandwidth; peak extra host memory <= 2x state size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LAYER = 2048
+BYTES_PER_LAYER = (LAYER * LAYER + LAYER) * 4 * 3  # weight + bias, times (param, exp_avg, exp_avg_sq)
+
+
+# ---------------------------------------------------------------- worker side (one subprocess per variant)
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> int:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    return _status("VmRSS")
+
+
+def _build(gb: float):
+    import torch
+
+    torch.manual_seed(0)
+    layers = max(1, round(gb * 1e9 / BYTES_PER_LAYER))
+    model = torch.nn.Sequential(*[torch.nn.Linear(LAYER, LAYER) for _ in range(layers)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    nbytes = sum(p.numel() * 4 * 3 for p in model.parameters())
+    return model, opt, nbytes
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def worker(variant: str, gb: float, work: Path) -> dict:
+    import torch
+
+    torch.set_num_threads(2)
+    out: dict = {"variant": variant}
+    if variant == "raw-write":
+        nbytes = round(gb * 1e9)
+        chunk = b"\1" * (16 << 20)
+        path = work / "raw.bin"
+        times = []
+        for _ in range(2):  # best of two: the disk's bandwidth, not its noise
+            t = time.perf_counter()
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            left = nbytes
+            while left > 0:
+                left -= os.write(fd, chunk[: min(left, len(chunk))])
+            os.fsync(fd)
+            os.close(fd)
+            times.append(time.perf_counter() - t)
+            path.unlink()
+        out["persist_s"] = min(times)
+        out["bytes"] = nbytes
+        return out
+    model, opt, nbytes = _build(gb)
+    out["bytes"] = nbytes
+    state_dicts = lambda: {"model": model.state_dict(), "optim": opt.state_dict()}  # noqa: E731
+    base = _reset_peak()
+    if variant == "copy":
+        tensors = [t for t in _tensors(state_dicts())]
+        bufs = [torch.empty_like(t) for t in tensors]
+        out["stall_s"] = statistics.median(_copy_times(bufs, tensors, 5))
+    elif variant == "torch.save":
+        path = work / "state.pt"
+        t = time.perf_counter()
+        with open(path, "wb") as f:
+            torch.save(state_dicts(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        out["stall_s"] = out["persist_s"] = time.perf_counter() - t
+        out["peak_extra"] = _status("VmHWM") - base
+        t = time.perf_counter()
+        torch.load(path, weights_only=True)
+        out["load_s"] = time.perf_counter() - t
+    elif variant in ("dcp", "dcp-async"):
+        import torch.distributed.checkpoint as dcp
+
+        path = work / "dcp"
+        t = time.perf_counter()
+        if variant == "dcp":
+            dcp.save(state_dicts(), checkpoint_id=path, no_dist=True)
+            out["stall_s"] = time.perf_counter() - t
+        else:
+            fut = dcp.async_save(state_dicts(), checkpoint_id=path, no_dist=True)
+            out["stall_s"] = time.perf_counter() - t
+            fut.result()
+        _fsync_tree(path)  # FileSystemWriter fsyncs its files; the tree fsync makes it comparable
+        out["persist_s"] = time.perf_counter() - t
+        out["peak_extra"] = _status("VmHWM") - base
+        target = state_dicts()
+        t = time.perf_counter()
+        dcp.load(target, checkpoint_id=path, no_dist=True)
+        out["load_s"] = time.perf_counter() - t
+    elif variant in ("ftkit-async", "ftkit-shm"):
+        from ftkit.checkpoint import CheckpointConfig, make_manager
+        from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
+
+        cfg = CheckpointConfig(root=work / "ck", keep_last=1)
+        state = {"model": model, "optimizer": opt}
+        mgr = AsyncCheckpointer(cfg, async_config=AsyncConfig(crash_safe=variant == "ftkit-shm"))
+        try:
+            stalls, persists, copies = [], [], []
+            for step in (1, 2, 3, 4):
+                t = time.perf_counter()
+                mgr.save(step, state)
+                stalls.append(time.perf_counter() - t)
+                mgr.wait()
+                persists.append(time.perf_counter() - t)
+                if step == 1:
+                    out["peak_extra"] = _status("VmHWM") - base
+                    tensors = list(_tensors(state_dicts()))
+                    bufs = [torch.empty_like(x) for x in tensors]
+                    _copy_times(bufs, tensors, 1)
+                else:  # the limit, measured side by side in the same process
+                    copies += _copy_times(bufs, tensors, 1)
+            del bufs, tensors
+            out["first_stall_s"] = stalls[0]
+            out["stall_s"] = statistics.median(stalls[1:])
+            out["copy_here_s"] = statistics.median(copies)
+            out["persist_s"] = statistics.median(persists[1:])
+        finally:
+            mgr.close()
+        t = time.perf_counter()
+        assert make_manager(cfg).load(state) == 4
+        out["load_s"] = time.perf_counter() - t
+    elif variant == "loop":
+        out.update(_loop(model, opt, work))
+    if variant == "copy":
+        out["peak_extra"] = _status("VmHWM") - base
+    return out
+
+
+def _copy_times(bufs, tensors, reps: int) -> list[float]:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for b, s in zip(bufs, tensors, strict=True):
+            b.copy_(s)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _tensors(obj):
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _loop(model, opt, work: Path) -> dict:
+    """A steady loop of Adam steps checkpointing every N steps: ftkit-async vs torch.save vs none.
+
+    N is chosen so that the steps between two checkpoints take about twice as long as one
+    persist (a real run checkpoints every few minutes, not faster than its disk can write);
+    with a shorter interval every loop is bound by the disk, async or not.
+    """
+    import torch
+
+    from ftkit.checkpoint import CheckpointConfig
+    from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
+
+    state = {"model": model, "optimizer": opt}
+
+    def run(save, steps: int, every: int) -> float:
+        t = time.perf_counter()
+        for step in range(1, steps + 1):
+            opt.step()
+            if save is not None and step % every == 0:
+                save(step)
+        return time.perf_counter() - t
+
+    step_s = run(None, 3, 1) / 3  # warm-up and step time
+    mgr = AsyncCheckpointer(CheckpointConfig(root=work / "loop", keep_last=1), async_config=AsyncConfig())
+    try:
+        t = time.perf_counter()
+        mgr.save(0, state)  # allocates the buffers outside the timed loop (a run does it once)
+        mgr.wait()
+        persist_s = time.perf_counter() - t
+        every = max(2, int(2 * persist_s / step_s) + 1)
+        steps = 2 * every
+        first_base = run(None, steps, every)
+        t = time.perf_counter()
+        run(lambda s: mgr.save(s, state), steps, every)
+        mgr.wait()
+        with_async = time.perf_counter() - t
+    finally:
+        mgr.close()
+
+    def sync_save(step: int) -> None:
+        with open(work / "loop.pt", "wb") as f:
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    with_sync = run(sync_save, steps, every)
+    base = min(first_base, run(None, steps, every))  # before and after: the machine's drift is not overhead
+    return {"loop_base_s": base, "loop_async_s": with_async, "loop_sync_s": with_sync,
+            "loop_steps": steps, "loop_every": every}
+
+
+# ---------------------------------------------------------------- driver
+VARIANTS = ["raw-write", "copy", "torch.save", "dcp", "dcp-async", "ftkit-async", "ftkit-shm", "loop"]
+
+
+def run_variant(variant: str, gb: float, base_dir: Path) -> dict:
+    work = Path(tempfile.mkdtemp(prefix=f"ckspeed-{variant}-", dir=base_dir))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        r = subprocess.run([sys.executable, __file__, "--worker", variant, "--size", str(gb), "--dir", str(work)],
+                           capture_output=True, text=True, env=env, timeout=1800)
+        if r.returncode != 0:
+            return {"variant": variant, "error": (r.stderr or r.stdout).strip().splitlines()[-1:]}
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _fmt(x, unit="s"):
+    return "-" if x is None else (f"{x:.3f}{unit}" if unit == "s" else f"{x:.2f}{unit}")
+
+
+def report(gb: float, res: dict[str, dict]) -> list[dict]:
+    size = res["copy"].get("bytes") or 1
+    gib = size / 2**30
+    print(f"\n=== state {gb} GB ({size / 1e9:.2f} GB of tensors) ===")
+    print(f"{'variant':<12} {'stall':>9} {'persist':>9} {'MB/s':>8} {'load':>8} {'peak extra':>11}")
+    for v in VARIANTS[:-1]:
+        r = res.get(v, {})
+        if "error" in r:
+            print(f"{v:<12} ERROR {r['error']}")
+            continue
+        bw = size / r["persist_s"] / 1e6 if r.get("persist_s") else None
+        peak = r.get("peak_extra")
+        print(f"{v:<12} {_fmt(r.get('stall_s')):>9} {_fmt(r.get('persist_s')):>9} {_fmt(bw, ''):>8} "
+              f"{_fmt(r.get('load_s')):>8} {'-' if peak is None else f'{peak / 2**30:.2f}GiB':>11}")
+    a, c, ts, raw, shm = (res.get(k, {}) for k in ("ftkit-async", "copy", "torch.save", "raw-write", "ftkit-shm"))
+    if "first_stall_s" in a:
+        print(f"ftkit-async first save (allocates buffers): stall {a['first_stall_s']:.3f}s; "
+              f"ftkit-shm first save {shm.get('first_stall_s', float('nan')):.3f}s")
+    lp = res.get("loop", {})
+    if "loop_base_s" in lp:
+        print(f"loop of {lp['loop_steps']} Adam steps, checkpoint every {lp['loop_every']}: none {lp['loop_base_s']:.2f}s, "
+              f"ftkit-async {lp['loop_async_s']:.2f}s (+{(lp['loop_async_s'] / lp['loop_base_s'] - 1) * 100:.0f}%), "
+              f"torch.save+fsync {lp['loop_sync_s']:.2f}s (+{(lp['loop_sync_s'] / lp['loop_base_s'] - 1) * 100:.0f}%)")
+    goals = []
+
+    def goal(name: str, ratio: float | None, ok: bool | None) -> None:
+        if ratio is None:
+            return
+        goals.append({"size_gb": gb, "goal": name, "ratio": round(ratio, 3), "pass": bool(ok)})
+        print(f"  [{'PASS' if ok else 'FAIL'}] {name}: {ratio:.2f}")
+
+    for name, r in (("ftkit-async", a), ("ftkit-shm", shm)):
+        limit = r.get("copy_here_s") or c.get("stall_s")
+        if "stall_s" in r and limit:
+            q = r["stall_s"] / limit
+            goal(f"{name} stall / in-memory copy in the same process (<= 1.25)", q, q <= 1.25)
+        if "persist_s" in r and "persist_s" in raw:
+            q = (size / r["persist_s"]) / (raw["bytes"] / raw["persist_s"])
+            goal(f"{name} persist throughput / raw write+fsync (>= 0.8)", q, q >= 0.8)
+        if "peak_extra" in r:
+            q = r["peak_extra"] / size
+            goal(f"{name} peak extra host memory / state size (<= 2)", q, q <= 2)
+    if abs(gb - 1) < 1e-9 and "stall_s" in a and "stall_s" in ts:
+        q = ts["stall_s"] / a["stall_s"]
+        goal("torch.save+fsync stall / ftkit-async stall at 1 GB (>= 5)", q, q >= 5)
+    _ = gib
+    return goals
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="0.25,1,3", help="state sizes in GB, comma-separated")
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="scratch directory on the disk to measure (same disk as the job dir)")
+    ap.add_argument("--json", help="also write every measurement and goal to this file")
+    ap.add_argument("--loop-max-gb", type=float, default=1.0, help="run the training-loop overhead measurement up to this size")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--size", type=float, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.size, Path(args.dir))))
+        return 0
+    base_dir = Path(args.dir)
+    base_dir.mkdir(parents=True, exist_ok=True)
+    sizes = [float(s) for s in args.sizes.split(",") if s]
+    variants = args.variants.split(",")
+    print(f"checkpoint_speed: sizes {sizes} GB, scratch {base_dir}, {os.cpu_count()} CPUs")
+    results: dict = {}
+    goals: list[dict] = []
+    for gb in sizes:
+        res = {v: run_variant(v, gb, base_dir) for v in variants if v != "loop" or gb <= args.loop_max_gb}
+        results[str(gb)] = res
+        goals += report(gb, res)
+    failed = [g for g in goals if not g["pass"]]
+    print(f"\n{len(goals) - len(failed)}/{len(goals)} goals met")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results, "goals": goals}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+"""Asynchronous, two-tier checkpoints: the loop only pays for a copy of its state into host memory.
+
+::
+
+    mgr = AsyncCheckpointer(CheckpointConfig(root=...), async_config=AsyncConfig(memory_every=10, persist_every=5))
+    start = mgr.load(state) or 0
+    for step in range(start + 1, total + 1):
+        train_one_step()
+        mgr.on_step(step, state)          # snapshot every 10 steps, persist every 50th step
+    mgr.save(total, state); mgr.close()   # close() returns once everything is durable
+
+Rules:
+
+* **Stall.** ``save``/``on_step`` copy the state into reused host buffers (pinned, side stream
+  and event on CUDA; see ``_async_buffers``) and return; ``Checkpointer.persist`` (the full
+  commit protocol) runs on a worker thread, or in the saver process with ``crash_safe``.
+* **Bound.** At most ``max_in_flight`` snapshots accepted but not yet durable. A save beyond
+  that *waits* for the oldest to become durable (no coalescing: every save asked for is
+  written). Buffers: ``max_in_flight + 1`` slots, allocated on first use, then reused.
+* **Two tiers.** ``on_step`` snapshots every ``memory_every`` steps and persists the steps that
+  are multiples of ``memory_every * persist_every``. ``save(step)`` persists the newest snapshot
+  if it is of ``step`` (no second copy), else snapshots now. The newest snapshot is never
+  overwritten before it is durable or superseded (double buffering).
+* **Errors.** A failed background save becomes a CheckpointError naming the step; with
+  ``on_error="raise"`` the next ``on_step``/``save``/``wait`` raises it (once), with ``warn`` it is
+  logged and only ``wait`` raises it unless a later save succeeded. ``pending_error()`` hands it
+  over (and clears it) without raising, for a controller that checks every step.
+* **Exit.** ``wait`` blocks until every accepted save is durable; ``close`` waits, then stops the
+  worker or saver. An interpreter exiting without ``close`` runs it from ``atexit``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..errors import CheckpointError, ConfigError
+from ._async_buffers import Copier, flatten
+from ._async_config import AsyncConfig
+from ._config import CheckpointConfig, CheckpointInfo
+from ._layout import step_name
+from ._manager import Checkpointer
+
+__all__ = ["AsyncCheckpointer", "AsyncConfig"]
+
+log = logging.getLogger(__name__)
+
+
+class _Slot:
+    __slots__ = ("busy", "durable", "in_flight", "index", "seq", "step", "used")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.seq = -1
+        self.step = -1
+        self.busy = False  # being filled right now
+        self.used = False  # has buffers
+        self.in_flight = False
+        self.durable = False
+
+
+class AsyncCheckpointer:
+    """A :class:`~ftkit.checkpoint.CheckpointManager` that persists in the background (module doc)."""
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        *,
+        async_config: AsyncConfig | None = None,
+        events: Any = None,
+        rank: int = 0,
+        world_size: int = 1,
+        process_group: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if world_size > 1:
+            raise ConfigError(
+                f"checkpoint.async: asynchronous saves support one process per job for now (world_size="
+                f"{world_size}); use the synchronous Checkpointer (checkpoint.manager=None) for multi-rank jobs"
+            )
+        self.async_config = async_config if async_config is not None else AsyncConfig()
+        self.checkpointer = Checkpointer(config, events=events, rank=rank, world_size=world_size,
+                                         process_group=process_group)
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._slots = [_Slot(i) for i in range(self.async_config.max_in_flight + 1)]
+        self._newest: _Slot | None = None
+        self._in_flight = 0
+        self._seq = 0
+        self._error: CheckpointError | None = None
+        self._closed = False
+        self.last_stall_seconds: float | None = None
+        self.last_persist_seconds: float | None = None
+        self.last_durable_step: int | None = None
+        copier = Copier()
+        if self.async_config.crash_safe:
+            from ._saver_client import ShmBackend
+
+            self._backend: Any = ShmBackend(config, self.async_config, len(self._slots), self._done, copier,
+                                            events=events, rank=rank)
+        else:
+            from ._async_thread import ThreadBackend
+
+            self._backend = ThreadBackend(self.checkpointer, len(self._slots), self._done, copier)
+        atexit.register(self._at_exit)
+
+    @property
+    def config(self) -> CheckpointConfig:
+        return self.checkpointer.config
+
+    @property
+    def root(self) -> os.PathLike[str]:
+        return self.checkpointer.root
+
+    # ------------------------------------------------------------------ the loop's calls
+    def on_step(self, step: int, state: Mapping[str, Any]) -> bool:
+        """Snapshot (and maybe persist) if ``step`` is due; True when a snapshot was taken."""
+        if self._error is not None:
+            self._raise_pending()
+        cfg = self.async_config
+        if cfg.memory_every is None or step % cfg.memory_every:
+            return False
+        persist = cfg.persist_due(step)
+        self._take(step, state, persist=persist, pin=False,
+                   reason=f"periodic (persist every {cfg.persist_period} steps)" if persist else None)
+        return True
+
+    def save(
+        self, step: int, state: Mapping[str, Any], *, pin: bool = False, reason: str | None = None
+    ) -> CheckpointInfo:
+        """Start saving ``state`` as ``step``; returns once the snapshot is taken (status ``pending``)."""
+        self._check_open()
+        self._raise_pending()
+        newest = self._newest
+        if newest is not None and newest.step == step and not newest.busy:
+            if newest.in_flight or newest.durable:
+                if pin:  # already being written without the pin: add it once durable
+                    self.wait()
+                    self.checkpointer.pin(step)
+            else:
+                self._submit(newest, pin=pin, reason=reason)
+        else:
+            self._take(step, state, persist=True, pin=pin, reason=reason)
+        return CheckpointInfo(
+            step=step, path=self.checkpointer.root / step_name(step), status="pending",
+            reason="being persisted in the background; wait() returns once it is durable",
+            pinned=pin, saved_for=reason,
+        )
+
+    def pending_error(self) -> CheckpointError | None:
+        """The failure of a background save not yet reported, handed over once (then cleared)."""
+        err, self._error = self._error, None
+        return err
+
+    def wait(self) -> None:
+        """Block until every accepted save is durable; raise the failure of any of them."""
+        with self._cond:
+            while self._in_flight:
+                self._cond.wait(timeout=1.0)
+                problem = self._backend.problem() if self._in_flight else None
+                if problem:
+                    self._fail_in_flight(problem)
+        self._raise_pending(final=True)
+
+    # ------------------------------------------------------------------ snapshot and submit
+    def _take(self, step: int, state: Mapping[str, Any], *, persist: bool, pin: bool, reason: str | None) -> None:
+        self._check_open()
+        began = self._clock()
+        skeleton, tensors = flatten(state)
+        limit = self.async_config.max_in_flight
+        with self._cond:
+            if persist:
+                self._wait_until(lambda: self._in_flight < limit)
+            slot = self._wait_until(self._free_slot)
+            slot.busy = True
+            if self._newest is slot:
+                self._newest = None
+            self._seq += 1
+            seq = self._seq
+        try:
+            self._backend.fill(slot.index, seq, step, skeleton, tensors)
+        except BaseException:
+            with self._cond:
+                slot.busy, slot.seq, slot.step, slot.durable = False, -1, -1, False
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            slot.busy, slot.used, slot.durable = False, True, False
+            slot.seq, slot.step = seq, step
+            self._newest = slot
+        if persist:
+            self._submit(slot, pin=pin, reason=reason)
+        self.last_stall_seconds = self._clock() - began
+
+    def _free_slot(self) -> _Slot | None:
+        newest = self._newest
+        free = [s for s in self._slots if not (s.in_flight or s.busy) and (s is not newest or s.durable)]
+        if not free:
+            return None
+        return min(free, key=lambda s: (not s.used, s is newest, s.index))
+
+    def _submit(self, slot: _Slot, *, pin: bool, reason: str | None) -> None:
+        limit = self.async_config.max_in_flight
+        with self._cond:
+            self._wait_until(lambda: self._in_flight < limit)
+            slot.in_flight = True
+            self._in_flight += 1
+        try:
+            self._backend.submit(slot.index, slot.seq, slot.step, pin, reason)
+        except BaseException:
+            with self._cond:
+                slot.in_flight = False
+                self._in_flight -= 1
+                self._cond.notify_all()
+            raise
+
+    def _wait_until(self, predicate: Callable[[], Any]) -> Any:
+        """Wait (holding ``_cond``) until ``predicate()`` is truthy; fail if the backend died."""
+        while not (value := predicate()):
+            self._cond.wait(timeout=1.0)
+            problem = self._backend.problem()
+            if problem and self._in_flight:
+                self._fail_in_flight(problem)
+            elif problem:
+                raise CheckpointError(problem)
+        return value
+
+    # ------------------------------------------------------------------ completion (worker side)
+    def _done(self, seq: int, step: int, error: BaseException | str | None, seconds: float) -> None:
+        with self._cond:
+            if seq < 0:  # the backend is gone: everything in flight failed
+                self._fail_in_flight(str(error))
+                return
+            slot = next((s for s in self._slots if s.seq == seq and s.in_flight), None)
+            if slot is not None:
+                slot.in_flight = False
+                slot.durable = error is None
+                self._in_flight -= 1
+            if error is None:
+                self.last_persist_seconds = seconds
+                self.last_durable_step = step if self.last_durable_step is None else max(step, self.last_durable_step)
+                if self.async_config.on_error == "warn":
+                    self._error = None  # superseded by a durable save
+            else:
+                self._record(step, error)
+            self._cond.notify_all()
+
+    def _fail_in_flight(self, problem: str) -> None:
+        for s in self._slots:
+            if s.in_flight:
+                s.in_flight = False
+                self._record(s.step, problem)
+        self._in_flight = 0
+        self._cond.notify_all()
+
+    def _record(self, step: int, error: BaseException | str) -> None:
+        err = CheckpointError(f"background save of checkpoint step {step} failed: {error}")
+        if isinstance(error, BaseException):
+            err.__cause__ = error
+        if self._error is not None:
+            log.error("%s (an earlier failure is still unreported: %s)", err, self._error)
+        else:
+            log.warning("%s", err)
+        self._error = self._error or err
+
+    def _raise_pending(self, *, final: bool = False) -> None:
+        err = self._error
+        if err is None or (self.async_config.on_error == "warn" and not final):
+            return
+        self._error = None
+        raise err
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"checkpoint manager for {self.checkpointer.root} is closed")
+
+    # ------------------------------------------------------------------ delegated
+    def load(self, state: Mapping[str, Any], step: int | None = None) -> int | None:
+        self.wait()
+        return self.checkpointer.load(state, step)
+
+    def list(self) -> list[CheckpointInfo]:
+        return self.checkpointer.list()
+
+    def validate(self, path: str | os.PathLike[str], checksums: bool = False) -> CheckpointInfo:
+        return self.checkpointer.validate(path, checksums=checksums)
+
+    def buffers(self, slot: int = 0) -> list[Any]:
+        """The host buffers of ``slot`` (tests check their identity stays the same across saves)."""
+        return self._backend.buffers(slot)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Wait until every accepted save is durable, then stop the worker/saver. Raises a failure."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            atexit.unregister(self._at_exit)
+            self._backend.close()
+            self.checkpointer.close()
+
+    def _at_exit(self) -> None:
+        try:
+            self.close()
+        except Exception as exc:
+            log.error("checkpoint manager closed at interpreter exit: %s", exc)
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,184 @@
+"""Copy training state into reused host buffers: the only part of an async save the loop waits for.
+
+``flatten`` walks the state the way ``take_snapshot`` does (stateful objects become their
+``state_dict()``, RNG states included) but copies nothing: it returns a *skeleton* (the
+structure with every tensor replaced by a :class:`Ref`) and the list of live tensors.
+``Copier.copy`` then ``copy_``-es each live tensor into its preallocated buffer:
+
+* CPU tensors are copied synchronously;
+* CUDA tensors go to pinned host buffers with ``non_blocking=True`` on a side stream that
+  first waits for the compute stream; an event recorded after the copies is returned (the
+  persisting side ``synchronize()``-s it before reading) and the compute stream waits on it,
+  so the next in-place optimizer update cannot overwrite a tensor that is still being copied.
+
+A :class:`BufferSet` keeps one buffer per tensor, keyed by its path in the state and checked
+against shape and dtype, so a long run allocates once and then reuses (``copy_``) forever.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+from ._state import Snapshot, capture_rng, is_stateful
+
+__all__ = ["BufferSet", "Copier", "Ref", "flatten", "layout_of", "materialize"]
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+class Ref:
+    """Stands for the ``index``-th tensor of a flattened state inside a skeleton (picklable)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self):
+        return (Ref, (self.index,))
+
+    def __repr__(self) -> str:
+        return f"Ref({self.index})"
+
+
+def flatten(state: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
+    """``(skeleton, [(where, tensor), ...])`` of ``state`` plus the RNG states; no copies."""
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"state must be a mapping of name -> object, got {type(state).__name__}")
+    tensors: list[tuple[str, torch.Tensor]] = []
+
+    def walk(value: Any, where: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors.append((where, value.detach()))
+            return Ref(len(tensors) - 1)
+        if isinstance(value, _PLAIN):
+            return value
+        if is_stateful(value):
+            return walk(value.state_dict(), where)
+        if isinstance(value, Mapping):
+            kind = type(value) if type(value) is dict or type(value).__name__ == "OrderedDict" else dict
+            return kind((k, walk(v, f"{where}[{k!r}]")) for k, v in value.items())
+        if isinstance(value, list):
+            return [walk(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, tuple):
+            return tuple(walk(v, f"{where}[{i}]") for i, v in enumerate(value))
+        raise CheckpointError(
+            f"cannot checkpoint {where}: a {type(value).__module__}.{type(value).__qualname__} is "
+            "neither a plain value (tensor, number, str, list, dict) nor an object with "
+            "state_dict()/load_state_dict()"
+        )
+
+    local = {k: walk(v, f"state[{k!r}]") for k, v in state.items()}
+    rng = walk(capture_rng(), "rng")
+    return {"state": local, "rng": rng}, tensors
+
+
+def layout_of(tensors: list[tuple[str, torch.Tensor]]) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+    """What buffers a flattened state needs: ``(where, shape, dtype)`` per tensor."""
+    return tuple((where, tuple(t.shape), t.dtype) for where, t in tensors)
+
+
+def materialize(skeleton: Any, buffers: list[torch.Tensor]) -> Any:
+    """The skeleton with every :class:`Ref` replaced by its buffer."""
+    if isinstance(skeleton, Ref):
+        return buffers[skeleton.index]
+    if isinstance(skeleton, dict):
+        return type(skeleton)((k, materialize(v, buffers)) for k, v in skeleton.items())
+    if isinstance(skeleton, list):
+        return [materialize(v, buffers) for v in skeleton]
+    if isinstance(skeleton, tuple) and not isinstance(skeleton, torch.Size):
+        return tuple(materialize(v, buffers) for v in skeleton)
+    return skeleton
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class BufferSet:
+    """One host copy of the state: a buffer per tensor path, reused while shape and dtype match.
+
+    Pinned buffers (``pin=True``, only when CUDA is available) make device-to-host copies
+    asynchronous. ``allocations`` counts buffers ever allocated (tests check it stays flat).
+    """
+
+    def __init__(self, *, pin: bool = False) -> None:
+        self.pin = pin and torch.cuda.is_available()
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.allocations = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(b) for b in self.buffers.values())
+
+    def buffers_for(self, tensors: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        seen: set[str] = set()
+        for where, t in tensors:
+            buf = self.buffers.get(where)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                pin = self.pin and t.device.type == "cuda"
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+                self.buffers[where] = buf
+                self.allocations += 1
+            out.append(buf)
+            seen.add(where)
+        for stale in set(self.buffers) - seen:  # tensors that left the state
+            del self.buffers[stale]
+        return out
+
+
+class Copier:
+    """Copies live tensors into host buffers (see the module doc for the CUDA stream rules)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[int, Any] = {}
+
+    def _stream(self, device: torch.device) -> Any:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = torch.cuda.Stream(device=index)
+        return stream
+
+    def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> tuple[list[Any], int]:
+        """Copy ``src[i]`` into ``dst[i]``; returns (CUDA events to wait on, bytes copied)."""
+        nbytes = 0
+        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        with torch.no_grad():
+            for d, s in zip(dst, src, strict=True):
+                nbytes += _nbytes(s)
+                if s.device.type == "cuda":
+                    by_device.setdefault(s.device, []).append((d, s))
+                else:
+                    d.copy_(s)
+        events = [self._copy_cuda(device, pairs) for device, pairs in by_device.items()]
+        return events, nbytes
+
+    def _copy_cuda(self, device: torch.device, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        compute = torch.cuda.current_stream(device)
+        side = self._stream(device)
+        side.wait_stream(compute)  # the copies see every update queued so far
+        with torch.no_grad(), torch.cuda.stream(side):
+            for d, s in pairs:
+                d.copy_(s, non_blocking=True)
+                s.record_stream(side)  # the allocator keeps s alive until the copy ran
+        event = torch.cuda.Event()
+        event.record(side)
+        compute.wait_event(event)  # later in-place updates wait for the copy, on the GPU
+        return event
+
+
+def host_snapshot(skeleton: dict[str, Any], buffers: list[torch.Tensor], nbytes: int) -> Snapshot:
+    """A :class:`Snapshot` whose tensors are the (filled) buffers."""
+    return Snapshot(local=materialize(skeleton, buffers), nbytes=nbytes)
+
+
+def wait_events(events: list[Any]) -> None:
+    """Block until the device-to-host copies behind ``events`` are done (worker side)."""
+    for event in events:
+        event.synchronize()

@@ -1,0 +1,217 @@
+"""Snapshots in shared memory: one segment file per slot under ``/dev/shm``, readable by the saver.
+
+Segment layout (``ftkit-snap-<trainer pid>-<token>-s<slot>-g<generation>``, mode 0600)::
+
+    [0, 4096)                header: magic, version, state, seq, step, skeleton offset/length, data offset
+    [4096, data_off)         skeleton: pickled {"skeleton", "tensors": [(offset, dtype, shape)], "nbytes"}
+    [data_off, size)         tensor bytes, each at a 64-byte aligned offset
+
+Commit rule (the crash guarantee): the trainer sets ``state = WRITING`` before it touches the
+slot, copies the tensors, writes the skeleton and the header fields, and only then sets
+``state = COMPLETE``. The saver only ever reads a slot whose state is COMPLETE, so a trainer
+killed mid-copy leaves a slot that is ignored, never a half-copied snapshot. Two or more slots
+(double buffering) keep the previous complete snapshot intact while the next one is written.
+
+The space is reserved with ``posix_fallocate`` when the segment is created, so a full
+``/dev/shm`` is an ENOSPC error then, not a SIGBUS in the middle of a copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import pickle
+import secrets
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+
+__all__ = ["PREFIX", "Segment", "SlotView", "read_slot"]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "ftkit-snap-"
+MAGIC = b"FTKITSHM"
+VERSION = 1
+WRITING, COMPLETE = 0, 1
+_HEADER = struct.Struct("<8sIIqqQQQ")  # magic, version, state, seq, step, skel_off, skel_len, data_off
+_STATE_AT = 12  # byte offset of ``state`` in the header
+_PAGE = 4096
+_ALIGN = 64
+
+
+def _round(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def new_token() -> str:
+    return f"{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"shared-memory snapshot names an unknown dtype {name!r}")
+    return dtype
+
+
+class Segment:
+    """Trainer side of one slot: the mapped segment and a buffer (view) per tensor.
+
+    ``layout`` is ``((where, shape, dtype), ...)``; ``fits`` says whether a new snapshot can
+    reuse this segment, otherwise the caller creates a new one (next generation) and closes this.
+    """
+
+    def __init__(self, directory: Path, token: str, slot: int, generation: int,
+                 layout: tuple, skeleton_capacity: int, *, pin: bool = False) -> None:
+        self.layout = layout
+        self.path = Path(directory) / f"{PREFIX}{token}-s{slot}-g{generation}"
+        self.skeleton_capacity = _round(max(skeleton_capacity, 64 << 10), _PAGE)
+        self.data_off = _PAGE + self.skeleton_capacity
+        offsets, end = [], self.data_off
+        for _, shape, dtype in layout:
+            offsets.append(end)
+            numel = 1
+            for n in shape:
+                numel *= n
+            end = _round(end + numel * dtype.itemsize, _ALIGN)
+        self.size = _round(max(end, self.data_off + _ALIGN), _PAGE)
+        self.table = [(off, str(dtype).removeprefix("torch."), list(shape)) for off, (_, shape, dtype) in zip(offsets, layout, strict=True)]
+        self._registered = False
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, self.size)
+            self._head = mmap.mmap(fd, self.data_off)
+        except OSError as exc:
+            os.close(fd)
+            self._unlink()
+            raise CheckpointError(
+                f"cannot reserve {self.size} bytes of shared memory in {directory} for a snapshot: "
+                f"{exc.strerror or exc}; free space there or set checkpoint.async.shm_dir"
+            ) from exc
+        os.close(fd)
+        _HEADER.pack_into(self._head, 0, MAGIC, VERSION, WRITING, -1, -1, _PAGE, 0, self.data_off)
+        base = torch.from_file(str(self.path), shared=True, size=self.size, dtype=torch.uint8)
+        self.buffers = [
+            base[off : off + _numel(shape) * dtype.itemsize].view(dtype).view(shape)
+            for off, (_, shape, dtype) in zip(offsets, layout, strict=True)
+        ]
+        if pin and torch.cuda.is_available():
+            err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), self.size, 0)
+            self._registered = int(err) == 0
+            if not self._registered:
+                log.warning("cudaHostRegister of %s failed (%s): device copies will be synchronous", self.path, err)
+        self._base = base
+
+    def fits(self, layout: tuple, skeleton_len: int) -> bool:
+        return layout == self.layout and skeleton_len <= self.skeleton_capacity
+
+    def begin(self) -> None:
+        """Mark the slot as being written: from here until ``commit`` the saver ignores it."""
+        struct.pack_into("<I", self._head, _STATE_AT, WRITING)
+
+    def commit(self, seq: int, step: int, skeleton: Any, nbytes: int) -> None:
+        """Write the skeleton and header, then flip the state to COMPLETE (last store)."""
+        blob = encode_skeleton(skeleton, self.table, nbytes)
+        if len(blob) > self.skeleton_capacity:
+            raise CheckpointError(f"internal: skeleton of {len(blob)} bytes does not fit {self.path}")
+        self._head[_PAGE : _PAGE + len(blob)] = blob
+        _HEADER.pack_into(self._head, 0, MAGIC, VERSION, WRITING, seq, step, _PAGE, len(blob), self.data_off)
+        struct.pack_into("<I", self._head, _STATE_AT, COMPLETE)
+
+    def close(self) -> None:
+        """Unmap and unlink (idempotent)."""
+        if self._registered:
+            with contextlib.suppress(Exception):
+                torch.cuda.cudart().cudaHostUnregister(self._base.data_ptr())
+            self._registered = False
+        self.buffers = []
+        self._base = None
+        if not self._head.closed:
+            self._head.close()
+        self._unlink()
+
+    def _unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def encode_skeleton(skeleton: Any, table: list, nbytes: int) -> bytes:
+    return pickle.dumps({"skeleton": skeleton, "tensors": table, "nbytes": nbytes}, protocol=5)
+
+
+@dataclass(slots=True)
+class SlotView:
+    """Saver side: a COMPLETE slot, its tensors mapped straight from shared memory."""
+
+    path: Path
+    seq: int
+    step: int
+    skeleton: Any
+    tensors: list[torch.Tensor]
+    nbytes: int
+    _mm: Any
+
+    def close(self) -> None:
+        self.tensors = []
+        self.skeleton = None
+        with contextlib.suppress(BufferError):  # a tensor still referenced: the GC unmaps it later
+            self._mm.close()
+
+
+def read_header(path: str | os.PathLike[str]) -> tuple[int, int, int] | None:
+    """``(state, seq, step)`` of a segment, or None if it is not one (or gone)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_HEADER.size)
+    except OSError:
+        return None
+    if len(raw) < _HEADER.size:
+        return None
+    magic, version, state, seq, step, *_ = _HEADER.unpack(raw)
+    if magic != MAGIC or version != VERSION:
+        return None
+    return state, seq, step
+
+
+def read_slot(path: str | os.PathLike[str], *, seq: int | None = None) -> SlotView | None:
+    """Map a COMPLETE slot (with ``seq`` if given); None if it is absent, being written or another seq."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise CheckpointError(f"{path} belongs to uid {st.st_uid}, not to this user; not reading it")
+        mm = mmap.mmap(fd, st.st_size)
+    finally:
+        os.close(fd)
+    magic, version, state, got_seq, step, skel_off, skel_len, _ = _HEADER.unpack_from(mm, 0)
+    if magic != MAGIC or version != VERSION or state != COMPLETE or (seq is not None and got_seq != seq):
+        mm.close()
+        return None
+    meta = pickle.loads(mm[skel_off : skel_off + skel_len])
+    tensors = []
+    for off, dtype_name, shape in meta["tensors"]:
+        dtype = _dtype(dtype_name)
+        nbytes = _numel(shape) * dtype.itemsize
+        if nbytes == 0:
+            tensors.append(torch.empty(shape, dtype=dtype))
+        else:
+            tensors.append(torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off).view(dtype).view(shape))
+    return SlotView(Path(path), got_seq, step, meta["skeleton"], tensors, meta["nbytes"], mm)

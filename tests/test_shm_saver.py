@@ -1,0 +1,209 @@
+"""crash_safe: a saver process persists the trainer's shared-memory snapshot after a real kill -9.
+
+``python3 tests/test_shm_saver.py MODE ROOT MB`` is the trainer: it snapshots a state of about
+MB megabytes (tensors filled with the step number), prints one JSON line and waits to be killed.
+MODE ``save``: ``save(3)`` returned (the saver is still writing it); ``memory``: only memory
+snapshots (steps 1..3), never asked to persist; ``midcopy``: a complete snapshot of step 1, then
+the trainer SIGKILLs itself half-way through copying step 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHM = Path("/dev/shm")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _savers_of(trainer_pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"ftkit.checkpoint._saver" in cmd and str(trainer_pid).encode() in cmd and _alive(int(entry)):
+            out.append(int(entry))
+    return out
+
+
+def _segments_of(trainer_pid: int) -> list[str]:
+    return sorted(p.name for p in SHM.glob(f"ftkit-snap-{trainer_pid}-*"))
+
+
+def _wait_gone(pid: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"saver {pid} still running after {timeout}s"
+        time.sleep(0.05)
+
+
+def _crash(tmp_path, mode: str, mb: int) -> tuple[dict, bool]:
+    from ftkit.checkpoint import validate_dir
+    from tests.ckpt_helpers import env
+
+    root = tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, __file__, mode, str(root), str(mb)], env=env(), cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line, "trainer exited before reporting"
+        info = json.loads(line)
+        if mode != "midcopy":
+            valid_at_kill = validate_dir(root / f"step-{info['step']:08d}").valid
+            os.kill(proc.pid, signal.SIGKILL)
+        else:
+            valid_at_kill = False
+        proc.wait(timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    _wait_gone(info["saver"])
+    assert _savers_of(proc.pid) == [] and _segments_of(proc.pid) == []
+    return info, valid_at_kill
+
+
+def _check_restored(root: Path, step: int, mb: int) -> None:
+    import torch
+
+    from ftkit.checkpoint import validate_dir
+    from tests.ckpt_helpers import make_mgr
+
+    info = validate_dir(root / f"step-{step:08d}", checksums=True)
+    assert info.valid, info.reason
+    n = mb * (1 << 20) // 8
+    state = {"a": torch.zeros(n), "b": torch.zeros(n), "extra": {}}
+    assert make_mgr(root).load(state) == step
+    assert torch.equal(state["a"], torch.full((n,), float(step)))
+    assert torch.equal(state["b"], torch.full((n,), float(step)))
+    assert state["extra"]["step"] == step
+
+
+def test_kill9_right_after_save_still_commits_the_snapshot(tmp_path):
+    info, valid_at_kill = _crash(tmp_path, "save", 400)
+    assert not valid_at_kill, "the persist finished before the kill; make the state bigger"
+    _check_restored(tmp_path / "ck", info["step"], 400)
+
+
+def test_kill9_with_memory_snapshots_only_persists_the_newest(tmp_path):
+    info, _ = _crash(tmp_path, "memory", 16)
+    assert [p.name for p in (tmp_path / "ck").glob("step-*")] == [f"step-{info['step']:08d}"]
+    _check_restored(tmp_path / "ck", info["step"], 16)
+
+
+def test_kill9_mid_copy_persists_the_previous_complete_snapshot(tmp_path):
+    info, _ = _crash(tmp_path, "midcopy", 64)
+    assert info["step"] == 1
+    assert [p.name for p in (tmp_path / "ck").glob("step-*")] == ["step-00000001"]
+    _check_restored(tmp_path / "ck", 1, 64)  # never the half-copied step 2
+
+
+def test_clean_close_stops_the_saver_and_unlinks(tmp_path):
+    import torch
+
+    from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
+    from tests.ckpt_helpers import make_mgr
+
+    cfg = make_mgr(tmp_path).config
+    mgr = AsyncCheckpointer(cfg, async_config=AsyncConfig(memory_every=1, crash_safe=True))
+    saver = mgr._backend.proc.pid
+    mgr.on_step(1, {"w": torch.ones(1000)})  # memory only: a clean close does not persist it
+    assert len(_segments_of(os.getpid())) == 1
+    mgr.close()
+    assert not _alive(saver) and _segments_of(os.getpid()) == []
+    assert list(tmp_path.glob("step-*")) == []
+
+
+def test_saver_killed_is_reported_not_silent(tmp_path):
+    import torch
+
+    from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
+    from ftkit.errors import CheckpointError
+    from tests.ckpt_helpers import make_mgr
+
+    mgr = AsyncCheckpointer(make_mgr(tmp_path).config, async_config=AsyncConfig(crash_safe=True))
+    try:
+        mgr.save(1, {"w": torch.ones(10)})
+        mgr.wait()
+        os.kill(mgr._backend.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not mgr._backend._lost:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with pytest.raises(CheckpointError, match="saver process"):
+            mgr.save(2, {"w": torch.ones(10)})
+        with pytest.raises(CheckpointError, match="saver process"):
+            mgr.save(3, {"w": torch.ones(10)})  # every later save says so too
+    finally:
+        mgr.close()  # the failure was reported; close still cleans up
+    assert _segments_of(os.getpid()) == []
+
+
+def trainer(mode: str, root: str, mb: int) -> None:
+    import torch
+
+    from ftkit.checkpoint import CheckpointConfig
+    from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
+
+    n = mb * (1 << 20) // 8
+    state = {"a": torch.zeros(n), "b": torch.zeros(n), "extra": {"step": 0}}
+    mgr = AsyncCheckpointer(CheckpointConfig(root=root), async_config=AsyncConfig(memory_every=1, crash_safe=True))
+
+    def at(step: int) -> None:
+        state["a"].fill_(step)
+        state["b"].fill_(step)
+        state["extra"]["step"] = step
+
+    def report(step: int) -> None:
+        print(json.dumps({"step": step, "saver": mgr._backend.proc.pid}), flush=True)
+
+    if mode == "save":
+        at(3)
+        mgr.save(3, state)
+        report(3)
+    elif mode == "memory":
+        for step in (1, 2, 3):
+            at(step)
+            mgr.on_step(step, state)
+        report(3)
+    else:  # midcopy
+        at(1)
+        mgr.on_step(1, state)
+        report(1)
+        copier = mgr._backend._copier
+        real = copier.copy
+
+        def copy_half_then_die(dst, src):
+            real(dst[:1], src[:1])
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        copier.copy = copy_half_then_die
+        at(2)
+        mgr.on_step(2, state)
+    time.sleep(120)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    trainer(sys.argv[1], sys.argv[2], int(sys.argv[3]))
