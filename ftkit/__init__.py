@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Action",
     "AgreementConfig",
+    "AsyncConfig",
     "BudgetConfig",
     "CheckpointConfig",
     "CheckpointError",
@@ -45,6 +46,7 @@ _LAZY = {
     "WatchConfig": "ftkit.triggers.files",
     "BudgetConfig": "ftkit.triggers.budget",
     "CheckpointConfig": "ftkit.checkpoint",
+    "AsyncConfig": "ftkit.checkpoint",
     "ResumableSampler": "ftkit.checkpoint",
     "FtkitError": "ftkit.errors",
     "ConfigError": "ftkit.errors",
@@ -54,7 +56,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from .checkpoint import CheckpointConfig, ResumableSampler
+    from .checkpoint import AsyncConfig, CheckpointConfig, ResumableSampler
     from .control.agreement import AgreementConfig
     from .control.controller import Config, FaultTolerance
     from .decision import Action, Decision

@@ -49,6 +49,8 @@ class DemoSettings:
     """Cross-rank agreement cadence in steps."""
     poll: bool = False
     """Force the polling observer for switch files."""
+    async_save: bool = False
+    """Save in the background: the loop stalls only for the in-memory snapshot."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +106,7 @@ def train(settings: DemoSettings, *, on_step: Callable[[StepInfo], None] | None 
         # Ctrl-C in the demo saves and exits like SIGTERM, so a person can try the exit path
         signals=ftkit.SignalConfig(actions={"USR1": "requeue", "TERM": "save-exit", "INT": "save-exit"}),
         save_every=settings.save_every,
+        async_save=ftkit.AsyncConfig() if settings.async_save else None,
         agreement=ftkit.AgreementConfig(every=settings.agree_every),
         watch=ftkit.WatchConfig(mode="polling" if settings.poll else "auto"),
     )

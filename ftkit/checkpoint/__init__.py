@@ -14,17 +14,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._async_config import AsyncConfig
 from ._config import CheckpointConfig, CheckpointInfo
 from ._manifest import validate_dir
 from ._pins import pin_checkpoint, unpin_checkpoint
 from ._protocol import CheckpointManager, load_manager_class, make_manager
 
 if TYPE_CHECKING:
+    from ._async import AsyncCheckpointer
     from ._manager import Checkpointer
     from ._sampler import ResumableSampler
     from ._state import Snapshot, take_snapshot
 
 __all__ = [
+    "AsyncCheckpointer",
+    "AsyncConfig",
     "CheckpointConfig",
     "CheckpointInfo",
     "CheckpointManager",
@@ -40,6 +44,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "AsyncCheckpointer": "._async",
     "Checkpointer": "._manager",
     "ResumableSampler": "._sampler",
     "Snapshot": "._state",

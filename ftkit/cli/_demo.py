@@ -19,6 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--save-every", type=int, default=500, help="periodic checkpoint cadence (0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--poll", action="store_true", help="watch switch files by polling (network filesystems)")
+    p.add_argument("--async", dest="async_save", action="store_true",
+                   help="save in the background (the loop stalls only for the memory snapshot)")
     p.add_argument("--no-live", action="store_true", help="plain log lines instead of the live display")
     p.add_argument("--slurm", action="store_true", help="submit the same job with sbatch (one-node template)")
     p.set_defaults(func=_demo)
@@ -48,7 +50,8 @@ def _demo(args: argparse.Namespace) -> int:
     from ..demo import DemoSettings, StepInfo, train
 
     settings = DemoSettings(jobdir=args.jobdir, steps=args.steps, step_time=args.step_time,
-                            save_every=args.save_every or None, seed=args.seed, poll=args.poll)
+                            save_every=args.save_every or None, seed=args.seed, poll=args.poll,
+                            async_save=args.async_save)
     console.print(f"[bold]ftkit demo[/] pid {os.getpid()}, job dir {args.jobdir.absolute()}")
     console.print(_instructions(args.jobdir))
     started = time.monotonic()

@@ -41,6 +41,10 @@ class Config:
     checkpoint: Any = None
     """A ``ftkit.checkpoint.CheckpointConfig``; None: ``JOBDIR/checkpoints`` with defaults."""
 
+    async_save: Any = None
+    """A ``ftkit.checkpoint.AsyncConfig`` to save in the background (the loop stalls only for
+    the in-memory snapshot); None: synchronous saves."""
+
     save_every: int | None = None
     """Also save every this many steps (periodic checkpoints); None: only on request."""
 
@@ -103,6 +107,8 @@ class FaultTolerance:
         self._handled_wall: dict[Source, float] = {}  # wall time of the last decision per file source
         self._seen_requests: set[str] = set()  # request files this run has logged (acted on or not)
         self._checkpoints: Any = None
+        self._background = False  # the manager persists in the background (on_step, pending_error)
+        self._to_consume: list[Decision] = []  # decisions whose files go once their save is durable
         self._started = False
         self.completed = False
 
@@ -147,8 +153,11 @@ class FaultTolerance:
         self._started = False
         try:
             if self._checkpoints is not None:
-                self._checkpoints.wait()
-                self._checkpoints.close()
+                try:
+                    self._checkpoints.wait()
+                    self._consume_durable()
+                finally:
+                    self._checkpoints.close()
         finally:
             self._watcher.close()
             self._signals.close()
@@ -279,6 +288,8 @@ class FaultTolerance:
 
     def step(self, step: int) -> Decision:
         """``check(step)``, then save if the decision (or ``save_every``) says so."""
+        if self._background:
+            self._poll_background(step)
         decision = self.check(step)
         periodic = (
             self.config.save_every is not None
@@ -320,8 +331,16 @@ class FaultTolerance:
             from ..checkpoint import CheckpointConfig, make_manager
 
             cfg = self.config.checkpoint or CheckpointConfig(root=self.job.checkpoints)
-            self._checkpoints = make_manager(cfg, events=self.events, rank=self.rank,
-                                             world_size=self.world_size, process_group=self._group)
+            if self.config.async_save is not None:
+                from ..checkpoint import AsyncCheckpointer
+
+                self._checkpoints = AsyncCheckpointer(
+                    cfg, async_config=self.config.async_save, events=self.events, rank=self.rank,
+                    world_size=self.world_size, process_group=self._group)
+            else:
+                self._checkpoints = make_manager(cfg, events=self.events, rank=self.rank,
+                                                 world_size=self.world_size, process_group=self._group)
+            self._background = hasattr(self._checkpoints, "pending_error")
         return self._checkpoints
 
     def _require_state(self) -> Mapping[str, Any]:
@@ -351,14 +370,40 @@ class FaultTolerance:
         began = self._clock()
         try:
             info = self.checkpoints.save(step, self._require_state(), pin=pin, reason=why)
+            if self._background and decision is not None and decision.exit:
+                self.checkpoints.wait()  # leave only once the checkpoint is durable
         except CheckpointError as exc:
             self.events.emit("save-failed", step=step, reason=why, error=str(exc))
             if decision is not None and decision.exit:
                 raise
             log.warning("checkpoint at step %d failed, training continues: %s", step, exc)
             return None
-        self.saved(step, seconds=self._clock() - began, decision=decision)
+        seconds = self._clock() - began
+        if self._background:  # the budget needs the time until durable, not the stall
+            seconds = max(seconds, getattr(self.checkpoints, "last_persist_seconds", None) or 0.0)
+        self.saved(step, seconds=seconds, decision=decision)
         return info
+
+    def _poll_background(self, step: int) -> None:
+        """Memory snapshots due at this step, and a background save that failed since the last
+        step: reported here, never lost (the manager's ``on_error`` decides raise or warn)."""
+        mgr = self._checkpoints
+        mgr.on_step(step, self._require_state())
+        if self._to_consume:
+            self._consume_durable()
+        error = mgr.pending_error()
+        if error is not None:
+            self.events.emit("save-failed", step=step, reason="background save", error=str(error))
+            log.warning("a background checkpoint failed, training continues: %s", error)
+
+    def _consume_durable(self) -> None:
+        durable = getattr(self._checkpoints, "last_durable_step", None)
+        if durable is None:
+            return
+        done = [d for d in self._to_consume if d.step <= durable]
+        self._to_consume = [d for d in self._to_consume if d.step > durable]
+        for d in done:
+            self._consume(d)
 
     def saved(self, step: int, *, seconds: float, decision: Decision | None = None) -> None:
         """Record that a checkpoint of ``step`` is durable, for checkpoints written outside
@@ -369,7 +414,11 @@ class FaultTolerance:
         self._last_check = ended  # a save is not part of the next step's time
         self._last_saved_step = step
         self.budget.record_save(seconds)
-        if decision is not None:
+        if decision is None:
+            return
+        if self._background and getattr(self._checkpoints, "last_durable_step", step) != step:
+            self._to_consume.append(decision)  # once the background save is durable
+        else:
             self._consume(decision)
 
     def _forget_requests(self) -> None:

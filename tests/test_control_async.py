@@ -1,0 +1,80 @@
+"""The controller with background saves: exits wait for durability, switch files go only once
+the checkpoint is durable, a failed background save is reported at the next step."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ftkit
+from ftkit.checkpoint import validate_dir
+from ftkit.events import read_events
+from tests.conftest import wait_for
+
+
+def make_state() -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512)
+    return {"model": model, "optimizer": torch.optim.Adam(model.parameters())}
+
+
+def events(jobdir: Path, kind: str) -> list[dict]:
+    return [e for e in read_events(jobdir / "events.jsonl") if e["event"] == kind]
+
+
+def test_exit_decision_waits_until_durable_and_switch_goes_after(tmp_path: Path) -> None:
+    cfg = ftkit.Config(async_save=ftkit.AsyncConfig())
+    with ftkit.FaultTolerance(tmp_path, state=make_state(), config=cfg) as ft:
+        ft.check(0)
+        (tmp_path / "save-switch").write_text("")
+        wait_for(lambda: ft.box.pending, 10, what="save-switch seen")
+        d = ft.step(1)
+        assert d.save and not d.exit
+        ft.request("save-exit", reason="SIGTERM stand-in")
+        d = ft.step(2)
+        assert d.exit
+        # an exit returns only once its checkpoint is durable
+        info = validate_dir(tmp_path / "checkpoints" / "step-00000002", checksums=True)
+        assert info.valid, info.reason
+    assert not (tmp_path / "save-switch").exists()
+    assert validate_dir(tmp_path / "checkpoints" / "step-00000001", checksums=True).valid
+    removed = events(tmp_path, "switch-removed")
+    saves = {e["step"]: e for e in events(tmp_path, "save")}
+    assert removed and removed[0]["time"] >= saves[1]["time"]  # removed after it was durable
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="needs Linux tmpfs")
+def test_background_failure_is_reported_at_next_step(tmp_path: Path) -> None:
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    root = tmp_path / "small"
+    root.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root)], check=True)
+    try:
+        cfg = ftkit.Config(async_save=ftkit.AsyncConfig(on_error="warn"), save_every=1,
+                           checkpoint=ftkit.CheckpointConfig(root=root / "checkpoints"))
+        ft = ftkit.FaultTolerance(tmp_path, state=make_state(), config=cfg).start()
+        ft.step(1)  # ~2 MB of state cannot fit in 1 MiB: the background write fails
+        try:
+            reported = lambda: [e for e in events(tmp_path, "save-failed")  # noqa: E731
+                                if e.get("reason") == "background save"]
+            step = 1
+            while not reported():
+                step += 1
+                assert step < 200, "a failed background save was never reported"
+                ft.step(step)
+            failed = reported()
+            assert "ENOSPC" in failed[0]["error"] and "step-0000000" in failed[0]["error"]
+            assert not any(info.valid for info in ft.checkpoints.list())
+        finally:
+            # the exit path waits for the last save; its failure is not swallowed either
+            with pytest.raises(ftkit.CheckpointError, match="ENOSPC"):
+                ft.close()
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=False)
