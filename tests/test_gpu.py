@@ -1,0 +1,62 @@
+"""GPU-only paths: pinned staging buffers and side-stream copies of the async save.
+
+These run where a CUDA device exists (the project's GPU machine); CI has none, and the CPU
+tests cover the same code paths without CUDA.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import ftkit
+from ftkit.checkpoint import AsyncCheckpointer, CheckpointConfig, validate_dir
+from ftkit.checkpoint._async_buffers import BufferSet, Copier
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)"),
+]
+
+
+def test_pinned_buffers_and_side_stream_copy_match_the_device_tensors() -> None:
+    src = [torch.randn(1024, 1024, device="cuda"), torch.randn(333, device="cuda", dtype=torch.bfloat16)]
+    buffers = BufferSet(pin=True)
+    dst = buffers.buffers_for([(f"t{i}", t) for i, t in enumerate(src)])
+    assert all(b.is_pinned() and b.device.type == "cpu" for b in dst)
+    events, _ = Copier().copy(dst, src)
+    for e in events:
+        e.synchronize()
+    for d, s in zip(dst, src, strict=True):
+        assert torch.equal(d, s.cpu())
+    again = buffers.buffers_for([(f"t{i}", t) for i, t in enumerate(src)])
+    assert [b.data_ptr() for b in again] == [b.data_ptr() for b in dst]  # reused, not reallocated
+
+
+def test_async_save_of_a_cuda_model_resumes_exactly(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)).cuda()
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(64, 256, device="cuda")
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    cfg = CheckpointConfig(root=tmp_path / "checkpoints")
+    with AsyncCheckpointer(cfg, async_config=ftkit.AsyncConfig(), events=None, rank=0, world_size=1) as mgr:
+        mgr.save(3, {"model": model, "optimizer": opt})
+        # training goes on while the snapshot persists: the snapshot must not see this update
+        model(x).pow(2).mean().backward()
+        opt.step()
+        after = [p.detach().clone() for p in model.parameters()]
+        mgr.wait()
+    assert validate_dir(tmp_path / "checkpoints" / "step-00000003", checksums=True).valid
+    model2 = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)).cuda()
+    opt2 = torch.optim.Adam(model2.parameters())
+    with ftkit.checkpoint.Checkpointer(cfg, events=None, rank=0, world_size=1) as mgr:
+        assert mgr.load({"model": model2, "optimizer": opt2}) == 3
+    model2(x).pow(2).mean().backward()
+    opt2.step()
+    assert all(torch.equal(a, b) for a, b in zip(after, model2.parameters(), strict=True))
