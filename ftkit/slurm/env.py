@@ -104,17 +104,15 @@ class SlurmEnv:
         return self.job_id
 
 
-def run_scontrol(args: Sequence[str], *, timeout: float = 10) -> str:
-    """Run ``scontrol ARGS`` and return its stdout; SlurmError on any failure."""
-    cmd = ["scontrol", *args]
+def run_slurm_command(cmd: Sequence[str], *, timeout: float, cwd: str | None = None,
+                      env: Mapping[str, str] | None = None, missing: str) -> str:
+    """Run a SLURM client command and return its stdout; SlurmError (naming the command) on any failure."""
     shown = " ".join(cmd)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+        proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, check=False,
+                              cwd=cwd, env=None if env is None else dict(env))
     except FileNotFoundError:
-        raise SlurmError(
-            f"`{shown}`: scontrol is missing (not on PATH); run inside a SLURM cluster "
-            "or disable the SLURM lookups in the config"
-        ) from None
+        raise SlurmError(f"`{shown}`: {missing}") from None
     except subprocess.TimeoutExpired:
         raise SlurmError(f"`{shown}` did not answer within {timeout:g} s") from None
     except OSError as exc:
@@ -123,6 +121,14 @@ def run_scontrol(args: Sequence[str], *, timeout: float = 10) -> str:
         err = (proc.stderr or proc.stdout or "").strip()
         raise SlurmError(f"`{shown}` failed (exit {proc.returncode}): {err or 'no output'}")
     return proc.stdout
+
+
+def run_scontrol(args: Sequence[str], *, timeout: float = 10) -> str:
+    """Run ``scontrol ARGS`` and return its stdout; SlurmError on any failure. The single call
+    point for scontrol (tests patch it)."""
+    return run_slurm_command(
+        ["scontrol", *args], timeout=timeout,
+        missing="scontrol is missing (not on PATH); run inside a SLURM cluster or disable the SLURM lookups in the config")
 
 
 # A key starts a field when it follows whitespace (or the line start) and looks like a

@@ -23,18 +23,18 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._fs import atomic_write
 from ..errors import ConfigError, SlurmError
 from ..events import EventLog, read_events
 from ..jobdir import JobDir
 from . import env as _env
-from .env import SlurmEnv, job_info
+from .env import SlurmEnv, job_info, run_slurm_command
 
 __all__ = [
     "EXIT_UNFINISHED",
@@ -170,21 +170,8 @@ def _scontrol(runner: Runner | None) -> Runner:
 def run_sbatch(args: Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
                timeout: float = 60) -> str:
     """Run ``sbatch ARGS`` and return its stdout; SlurmError on any failure."""
-    cmd = ["sbatch", *args]
-    shown = " ".join(cmd)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
-                              cwd=cwd, env=None if env is None else dict(env))
-    except FileNotFoundError:
-        raise SlurmError(f"`{shown}`: sbatch is missing (not on PATH)") from None
-    except subprocess.TimeoutExpired:
-        raise SlurmError(f"`{shown}` did not answer within {timeout:g} s") from None
-    except OSError as exc:
-        raise SlurmError(f"`{shown}` could not be run: {exc}") from exc
-    if proc.returncode != 0:
-        err = (proc.stderr or proc.stdout or "").strip()
-        raise SlurmError(f"`{shown}` failed (exit {proc.returncode}): {err or 'no output'}")
-    return proc.stdout
+    return run_slurm_command(["sbatch", *args], timeout=timeout, cwd=cwd, env=env,
+                             missing="sbatch is missing (not on PATH)")
 
 
 # --------------------------------------------------------------------------------------
@@ -236,23 +223,7 @@ def read_runs(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def _write_runs(path: Path, runs: list[dict[str, Any]]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    data = (json.dumps({"version": 1, "runs": runs}, indent=1, default=str) + "\n").encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    try:
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
+    atomic_write(path, (json.dumps({"version": 1, "runs": runs}, indent=1, default=str) + "\n").encode())
 
 
 def _this_run(events: list[dict[str, Any]], env: SlurmEnv) -> list[dict[str, Any]]:

@@ -26,6 +26,7 @@ from pathlib import Path
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers.api import BaseObserver
 
+from .._fs import atomic_write
 from ..decision import Action, Request, RequestBox, Source, parse_action
 from ..errors import ConfigError
 from ..jobdir import JobDir
@@ -140,19 +141,6 @@ def _job_dir(job_dir: JobDir | str | os.PathLike[str]) -> JobDir:
     return job_dir if isinstance(job_dir, JobDir) else JobDir.of(job_dir)
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on a directory
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_request(
     job_dir: JobDir | str | os.PathLike[str], action: str, *, reason: str = ""
 ) -> Path:
@@ -170,21 +158,8 @@ def write_request(
     host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
     pid = os.getpid()
     final = jd.requests / f"{time.time_ns()}-{host}-{pid}-{name}.json"
-    tmp = jd.requests / f".{final.name}.tmp"
     payload = {"action": name, "reason": reason, "created": time.time(), "pid": pid, "host": host}
-    data = (json.dumps(payload) + "\n").encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(jd.requests)
+    atomic_write(final, (json.dumps(payload) + "\n").encode())
     return final
 
 
