@@ -78,8 +78,9 @@ class CheckpointInfo:
 
     ``status`` is ``valid``, ``incomplete`` (sentinel present or no manifest: a save that never
     finished) or ``corrupt`` (manifest unreadable, a file missing, a size or checksum mismatch).
-    ``reason`` says why it is not valid (empty when valid); ``saved_for`` is the reason given
-    to ``save`` (``save-switch``, ``periodic``, ...).
+    ``reason`` says why it is not valid (empty when valid); ``saved_for`` is the free-text reason
+    given to ``save`` (e.g. ``save-switch touched (JOBDIR/save-switch)``, ``periodic (every 500
+    steps)``, ``SIGTERM received``).
     """
 
     step: int

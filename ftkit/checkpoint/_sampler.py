@@ -84,14 +84,18 @@ class ResumableSampler(Sampler[int]):
         self.position = 0
 
     def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning (a no-op when already in it, keeping the position)."""
         if epoch != self.epoch:
             self.epoch = epoch
             self.position = 0
 
     def set_position(self, position: int) -> None:
+        """Resume the current epoch after ``position`` indices (e.g. what a prefetching
+        DataLoader really consumed)."""
         self.position = position
 
     def state_dict(self) -> dict[str, Any]:
+        """Epoch, position in it, seed and dataset length: enough to continue the same order."""
         return {
             "epoch": self.epoch,
             "position": self.position,
@@ -100,6 +104,7 @@ class ResumableSampler(Sampler[int]):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where ``state_dict`` was taken; refuses a different dataset length or seed."""
         if (
             state.get("length", self.length) != self.length
             or state.get("seed", self.seed) != self.seed

@@ -76,9 +76,12 @@ def _demo(args: argparse.Namespace) -> int:
             result = train(settings, on_step=on_step)
     if result["completed"]:
         console.print(f"[green]finished[/] {result['last_step']} steps; params sha256 {result['params_sha256'][:16]}")
+    elif result["stopping"] and (args.jobdir / "kill-switch").exists() and result["last_step"] == 0:
+        console.print(f"[yellow]stopped[/]: the kill-switch is present, so this run trained nothing; "
+                      f"`ftkit kill --clear {args.jobdir}` lets the job run again")
     elif result["stopping"]:
-        console.print(f"[yellow]stopped[/] at step {result['last_step']} as asked; run again to resume "
-                      "(a kill-switch keeps it stopped)")
+        console.print(f"[yellow]stopped[/] at step {result['last_step']} as asked; run again to resume"
+                      + (" after `ftkit kill --clear`" if (args.jobdir / "kill-switch").exists() else ""))
     return 0
 
 

@@ -49,7 +49,8 @@ def _slurm(job_id: str | None) -> dict[str, Any] | None:
 
 def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
     """Everything ``ftkit status`` shows, as plain data (also its ``--json`` output)."""
-    from ..checkpoint import CheckpointConfig, make_manager
+    from ..checkpoint import validate_dir
+    from ..checkpoint._layout import list_step_dirs
     from ..events import read_events
     from ..jobdir import JobDir
 
@@ -71,9 +72,9 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
     saves = [e for e in log if e.get("event") == "save" and "seconds" in e]
     save_estimate = max((float(e["seconds"]) for e in saves[-5:]), default=None)
 
-    mgr = make_manager(CheckpointConfig(root=job.checkpoints), events=None, rank=0, world_size=1)
     items = []
-    for info in mgr.list():
+    for _, path in list_step_dirs(job.checkpoints):  # newest first; pure file work, no torch
+        info = validate_dir(path)
         items.append({
             "step": info.step, "path": str(info.path), "status": info.status, "valid": info.valid,
             "reason": info.reason, "pinned": info.pinned, "size": info.size, "time": info.time,

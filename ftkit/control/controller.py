@@ -115,6 +115,8 @@ class FaultTolerance:
     # -- life cycle -------------------------------------------------------------------------
 
     def start(self) -> FaultTolerance:
+        """Install signal handlers, start watching the job dir, resolve the time budget and
+        write the ``start`` event. Idempotent; ``range``, ``resume`` and ``with`` call it."""
         if self._started:
             return self
         self._started = True
@@ -148,6 +150,8 @@ class FaultTolerance:
         return self
 
     def close(self) -> None:
+        """Wait until pending checkpoints are durable, stop watchers, restore signal handlers,
+        remove spent request files and write the ``exit`` event."""
         if not self._started:
             return
         self._started = False
@@ -312,6 +316,8 @@ class FaultTolerance:
         decision = self.check(first)
         if decision.save and self._last_saved_step != first:
             self.save(first, decision=decision)
+        elif decision.save:  # the checkpoint just resumed from is this step: it answers the request
+            self._consume(decision)
         if decision.exit:
             return
         for s in range(first, total):
