@@ -130,3 +130,11 @@ def test_request_files_seen_after_an_exit_are_removed_at_close(tmp_path: Path) -
     assert not path.exists()
     with ftkit.FaultTolerance(tmp_path) as ft:
         assert not ft.check(1)
+
+
+def test_a_crash_in_the_loop_is_recorded_in_the_exit_event(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="boom"), ftkit.FaultTolerance(tmp_path) as ft:
+        ft.check(1)
+        raise RuntimeError("boom")
+    exit_event = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "exit"][-1]
+    assert exit_event["error"] == "RuntimeError: boom" and exit_event["completed"] is False

@@ -110,6 +110,7 @@ class FaultTolerance:
         self._background = False  # the manager persists in the background (on_step, pending_error)
         self._to_consume: list[Decision] = []  # decisions whose files go once their save is durable
         self._started = False
+        self._crash: str | None = None
         self.completed = False
 
     # -- life cycle -------------------------------------------------------------------------
@@ -175,12 +176,15 @@ class FaultTolerance:
                 completed=self.completed,
                 requeue=None if final is None else final.requeue,
                 reasons=[] if final is None else list(final.reasons),
+                error=self._crash,
             )
 
     def __enter__(self) -> FaultTolerance:
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc is not None:  # the training loop raised: the exit event says so (a crash)
+            self._crash = f"{exc_type.__name__ if exc_type else 'error'}: {exc}"
         self.close()
 
     # -- requests from code -----------------------------------------------------------------
