@@ -1,5 +1,13 @@
 """One rank's flat state as a single ``torch.save`` file, checksummed while it is written.
 
+The file is an ordinary ``torch.save`` zip archive (``torch.load`` reads it), written through
+:class:`HashingWriter` (CRC-32 in a helper thread, overlapping the writes and the fsync). It
+is written without torch's own per-record zip CRC-32s, which ``torch.load`` never checks and
+which cost a full extra pass over the data in the writing thread; the manifest's CRC-32
+of the whole file replaces them. The zip CRC fields are therefore 0 (``unzip -t`` complains).
+Should a torch release change the private serializer entry points used for this, the file
+is written with plain ``torch.save`` (same format, zip CRCs filled in, slower).
+
 Reading never unpickles arbitrary objects: ``torch.load(weights_only=True)`` only. With
 ``verify=True`` the file's CRC-32 is recomputed (one sequential read) and compared with the
 manifest before torch parses it, so a flipped byte is never loaded.
@@ -7,6 +15,8 @@ manifest before torch parses it, so a flipped byte is never loaded.
 
 from __future__ import annotations
 
+import inspect
+import pickle
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +30,59 @@ from ._manifest import verify_files
 __all__ = ["FILE_FORMAT", "read_state_file", "write_state_file"]
 
 FILE_FORMAT = "ftkit-state"
+_SAVE_PARAMS = ["obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record"]
+
+
+def _can_skip_zip_crc() -> bool:
+    """Whether this torch has the private pieces ``torch.save`` is made of, as expected."""
+    ser = torch.serialization
+    try:
+        params = list(inspect.signature(ser._save).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return (
+        params == _SAVE_PARAMS
+        and hasattr(torch._C, "PyTorchFileWriter")
+        and callable(getattr(ser, "_get_storage_alignment", None))
+    )
+
+
+_SKIP_ZIP_CRC = _can_skip_zip_crc()
+
+
+def _torch_save(payload: Any, writer: HashingWriter) -> None:
+    """``torch.save(payload, writer)`` without torch's per-record zip CRC-32 when possible.
+
+    Same steps as ``torch.save`` to a file object (pickle protocol, storage alignment,
+    byteorder record), but with ``compute_crc32=False`` for this one writer instead of
+    flipping torch's process-wide ``set_crc32_options``, which would race with other threads.
+    """
+    ser = torch.serialization
+    if not _SKIP_ZIP_CRC:
+        torch.save(payload, writer)  # type: ignore[arg-type]  # a binary file-like object
+        return
+    alignment = ser._get_storage_alignment()
+    zip_file = torch._C.PyTorchFileWriter(writer, False, alignment)  # type: ignore[call-overload]
+    ser._save(payload, zip_file, pickle, ser.DEFAULT_PROTOCOL, False)
+    zip_file.write_end_of_file()
+    writer.flush()
+
+
+def _storage_ranges(obj: Any) -> list[tuple[int, int]]:
+    """``(address, nbytes)`` of the CPU storage of every tensor in ``obj`` (dicts, lists, tuples)."""
+    ranges: list[tuple[int, int]] = []
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            if value.device.type == "cpu" and value.layout == torch.strided:
+                storage = value.untyped_storage()
+                ranges.append((storage.data_ptr(), storage.nbytes()))
+        elif isinstance(value, (Mapping, list, tuple)) and id(value) not in seen:
+            seen.add(id(value))
+            stack.extend(value.values() if isinstance(value, Mapping) else value)
+    return ranges
 
 
 class WriteProgress:
@@ -46,11 +109,12 @@ def write_state_file(
 ) -> dict[str, Any]:
     """``torch.save`` ``obj`` to ``directory/name``; return its manifest entry (size, crc32)."""
     payload = {"format": FILE_FORMAT, "version": 1, **obj}
-    writer = HashingWriter(directory / name)
+    # the snapshot's tensors outlive the save: the CRC thread may read them after write returns
+    writer = HashingWriter(directory / name, stable=_storage_ranges(payload), writeback=sync)
     if progress is not None:
         progress.writer = writer
     try:
-        torch.save(payload, writer)  # type: ignore[arg-type]  # a binary file-like object
+        _torch_save(payload, writer)
         writer.close(sync=sync)
     except BaseException as exc:
         writer.abort()
