@@ -27,11 +27,18 @@ Rules:
   over (and clears it) without raising, for a controller that checks every step.
 * **Exit.** ``wait`` blocks until every accepted save is durable; ``close`` waits, then stops the
   worker or saver. An interpreter exiting without ``close`` runs it from ``atexit``.
+* **Several ranks** (``world_size > 1``, thread worker only): each rank snapshots in the loop
+  without any collective, its worker writes the rank's part and a confirmation file, and rank 0's
+  worker commits once every rank confirmed (``_async_commit``). Construction is collective (the
+  ranks agree on a run id); ``wait`` is collective: every rank drains its own worker (rank 0's
+  includes the commit), then the ranks exchange their outcomes, so each returns only once the
+  checkpoint is committed and raises if any rank's part or the commit failed.
 """
 
 from __future__ import annotations
 
 import atexit
+import builtins
 import logging
 import os
 import threading
@@ -78,14 +85,16 @@ class AsyncCheckpointer:
         process_group: Any = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if world_size > 1:
-            raise ConfigError(
-                f"checkpoint.async: asynchronous saves support one process per job for now (world_size="
-                f"{world_size}); use the synchronous Checkpointer (checkpoint.manager=None) for multi-rank jobs"
-            )
         self.async_config = async_config if async_config is not None else AsyncConfig()
+        if world_size > 1 and self.async_config.crash_safe:
+            raise ConfigError(
+                f"checkpoint.async.crash_safe: the saver process supports one process per job for now "
+                f"(world_size={world_size}); set crash_safe=False to save several ranks on worker threads"
+            )
         self.checkpointer = Checkpointer(config, events=events, rank=rank, world_size=world_size,
                                          process_group=process_group)
+        self._distributed = world_size > 1
+        persister: Any = self._rank_commit() if self._distributed else self.checkpointer
         self._clock = clock
         self._cond = threading.Condition()
         self._slots = [_Slot(i) for i in range(self.async_config.max_in_flight + 1)]
@@ -106,8 +115,25 @@ class AsyncCheckpointer:
         else:
             from ._async_thread import ThreadBackend
 
-            self._backend = ThreadBackend(self.checkpointer, len(self._slots), self._done, copier)
+            self._backend = ThreadBackend(persister, len(self._slots), self._done, copier)
         atexit.register(self._at_exit)
+
+    def _rank_commit(self) -> Any:
+        """Several ranks: check torch.distributed and agree on a run id (a collective, main thread)."""
+        import uuid
+
+        import torch.distributed as dist
+
+        from ._async_commit import RankCommit
+
+        comm = self.checkpointer.comm
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                f"checkpoint.async: world_size={comm.world_size} but torch.distributed is not initialized; "
+                "call torch.distributed.init_process_group() before creating the AsyncCheckpointer"
+            )
+        run_id = comm.gather(uuid.uuid4().hex)[0]  # save ids name this run: leftovers never match
+        return RankCommit(self.checkpointer, run_id=run_id, timeout=self.async_config.commit_timeout)
 
     @property
     def config(self) -> CheckpointConfig:
@@ -158,20 +184,49 @@ class AsyncCheckpointer:
         return err
 
     def wait(self) -> None:
-        """Block until every accepted save is durable; raise the failure of any of them."""
+        """Block until every accepted save is durable; raise the failure of any of them.
+
+        Several ranks: collective (module doc); every rank returns once rank 0 committed, and
+        raises if a save failed on any rank.
+        """
         with self._cond:
             while self._in_flight:
                 self._cond.wait(timeout=1.0)
                 problem = self._backend.problem() if self._in_flight else None
                 if problem:
                     self._fail_in_flight(problem)
+        if self._distributed:
+            self._agree_on_outcome()
         self._raise_pending(final=True)
+
+    def _agree_on_outcome(self) -> None:
+        """Exchange each rank's unreported failure (main thread) and raise them on every rank."""
+        import torch.distributed as dist
+
+        err, self._error = self._error, None
+        if not (dist.is_available() and dist.is_initialized()):  # e.g. atexit after destroy_process_group
+            log.warning("checkpoint wait: torch.distributed is gone; only this rank's saves were awaited")
+            self._error = err
+            return
+        mine = str(err) if err is not None else None
+        try:
+            outcomes = self.checkpointer.comm.gather(mine)
+        except Exception as exc:  # a rank is gone: report what this rank knows
+            raise CheckpointError(
+                f"{mine or 'every save of this rank is durable'}; the ranks could not exchange "
+                f"their outcomes (a rank died?): {exc}"
+            ) from (err or exc)
+        failed = [(r, p) for r, p in enumerate(outcomes) if p]
+        if failed:
+            raise CheckpointError(
+                "background checkpoint save failed: " + "; ".join(f"rank {r}: {p}" for r, p in failed)
+            ) from err
 
     # ------------------------------------------------------------------ snapshot and submit
     def _take(self, step: int, state: Mapping[str, Any], *, persist: bool, pin: bool, reason: str | None) -> None:
         self._check_open()
         began = self._clock()
-        skeleton, tensors = flatten(state)
+        skeleton, tensors = self._flatten(state)
         limit = self.async_config.max_in_flight
         with self._cond:
             if persist:
@@ -196,6 +251,17 @@ class AsyncCheckpointer:
         if persist:
             self._submit(slot, pin=pin, reason=reason)
         self.last_stall_seconds = self._clock() - began
+
+    def _flatten(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+        if not self._distributed:
+            return flatten(state)
+        from ._async_commit import plan_sharded
+        from ._dcp import sharded_keys
+
+        keys = sharded_keys(state)
+        skeleton, tensors = flatten(state, exclude=keys)
+        skeleton["sharded"], more = plan_sharded(state, keys, self.checkpointer.rank, start=len(tensors))
+        return skeleton, tensors + more
 
     def _free_slot(self) -> _Slot | None:
         newest = self._newest
@@ -290,7 +356,7 @@ class AsyncCheckpointer:
     def validate(self, path: str | os.PathLike[str], checksums: bool = False) -> CheckpointInfo:
         return self.checkpointer.validate(path, checksums=checksums)
 
-    def buffers(self, slot: int = 0) -> list[Any]:
+    def buffers(self, slot: int = 0) -> builtins.list[Any]:
         """The host buffers of ``slot`` (tests check their identity stays the same across saves)."""
         return self._backend.buffers(slot)
 

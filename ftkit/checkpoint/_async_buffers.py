@@ -45,8 +45,11 @@ class Ref:
         return f"Ref({self.index})"
 
 
-def flatten(state: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
-    """``(skeleton, [(where, tensor), ...])`` of ``state`` plus the RNG states; no copies."""
+def flatten(
+    state: Mapping[str, Any], *, exclude: frozenset[str] = frozenset()
+) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
+    """``(skeleton, [(where, tensor), ...])`` of ``state`` (minus ``exclude`` keys: with several
+    ranks those go through DCP, see ``_async_commit.plan_sharded``) plus the RNG states; no copies."""
     if not isinstance(state, Mapping):
         raise CheckpointError(f"state must be a mapping of name -> object, got {type(state).__name__}")
     tensors: list[tuple[str, torch.Tensor]] = []
@@ -60,7 +63,7 @@ def flatten(state: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, t
         if is_stateful(value):
             return walk(value.state_dict(), where)
         if isinstance(value, Mapping):
-            kind = type(value) if type(value) is dict or type(value).__name__ == "OrderedDict" else dict
+            kind: Any = type(value) if type(value) is dict or type(value).__name__ == "OrderedDict" else dict
             return kind((k, walk(v, f"{where}[{k!r}]")) for k, v in value.items())
         if isinstance(value, list):
             return [walk(v, f"{where}[{i}]") for i, v in enumerate(value)]
@@ -72,7 +75,7 @@ def flatten(state: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, t
             "state_dict()/load_state_dict()"
         )
 
-    local = {k: walk(v, f"state[{k!r}]") for k, v in state.items()}
+    local = {k: walk(v, f"state[{k!r}]") for k, v in state.items() if k not in exclude}
     rng = walk(capture_rng(), "rng")
     return {"state": local, "rng": rng}, tensors
 
@@ -174,8 +177,11 @@ class Copier:
 
 
 def host_snapshot(skeleton: dict[str, Any], buffers: list[torch.Tensor], nbytes: int) -> Snapshot:
-    """A :class:`Snapshot` whose tensors are the (filled) buffers."""
-    return Snapshot(local=materialize(skeleton, buffers), nbytes=nbytes)
+    """A :class:`Snapshot` whose tensors are the (filled) buffers; a skeleton's ``"sharded"``
+    entry (several ranks: this rank's DCP plan and data) becomes ``Snapshot.sharded``."""
+    local = materialize(skeleton, buffers)
+    sharded = local.pop("sharded", None) or {}
+    return Snapshot(local=local, sharded=sharded, nbytes=nbytes)
 
 
 def wait_events(events: list[Any]) -> None:

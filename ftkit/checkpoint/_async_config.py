@@ -43,13 +43,19 @@ class AsyncConfig:
 
     crash_safe: bool = False
     """Keep the snapshots in shared memory owned by a saver process, which persists the newest
-    complete one if the trainer dies (one saver per trainer process; single-process jobs only)."""
+    complete one if the trainer dies (one saver per trainer process; single-process jobs only:
+    with several ranks use the thread worker, ``crash_safe=False``)."""
 
     shm_dir: Path = Path("/dev/shm")
     """Where the shared-memory segments live with ``crash_safe`` (a tmpfs)."""
 
     saver_timeout: float = 120.0
     """Seconds to wait for the saver process to start (it imports torch) and, on close, to exit."""
+
+    commit_timeout: float = 600.0
+    """Several ranks: seconds rank 0's worker waits for a missing rank's part while no file in the
+    step directory grows, and a rank's worker waits for rank 0 to start the step directory,
+    before the save fails naming the missing ranks (the directory stays marked incomplete)."""
 
     def __post_init__(self) -> None:
         _positive("memory_every", self.memory_every, none_ok=True)
@@ -70,6 +76,11 @@ class AsyncConfig:
         if not isinstance(self.saver_timeout, (int, float)) or self.saver_timeout <= 0:
             raise ConfigError(
                 f"checkpoint.async.saver_timeout: must be a positive number of seconds, got {self.saver_timeout!r}"
+            )
+        timeout = self.commit_timeout
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise ConfigError(
+                f"checkpoint.async.commit_timeout: must be a positive number of seconds, got {timeout!r}"
             )
 
     @property

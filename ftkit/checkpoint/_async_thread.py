@@ -21,7 +21,8 @@ Done = Callable[[int, int, "BaseException | str | None", float], None]
 
 
 class ThreadBackend:
-    """``slots`` reusable host buffer sets and one worker thread that runs ``Checkpointer.persist``.
+    """``slots`` reusable host buffer sets and one worker thread that runs ``checkpointer.persist``
+    (a :class:`~ftkit.checkpoint.Checkpointer`, or with several ranks an ``_async_commit.RankCommit``).
 
     The worker is stopped with a sentinel on its queue; every failure it meets goes to
     ``done(seq, step, error, seconds)``, which the AsyncCheckpointer re-raises to the caller.

@@ -1,0 +1,516 @@
+"""Several ranks, asynchronously: every rank's worker writes its part, rank 0's worker commits.
+
+No collective runs off the main thread; the workers coordinate through files in the step directory:
+
+1. Rank 0's worker prepares ``step-N/`` as a synchronous save does (sentinel first, then ``dcp/``),
+   then writes this save's id into the sentinel (temp file + ``os.replace``).
+2. Every other rank's worker waits until the sentinel holds the id of *this* save (a leftover of an
+   earlier run holds another id, and rank 0 replaces it), so no data file ever precedes the sentinel.
+3. Each rank writes ``rank-RRRRR.pt`` and its DCP shard ``dcp/__R_0.distcp``, fsyncs them and both
+   directories, then ``part-rank-RRRRR.plan`` (its DCP write items and results, pickled) and last
+   ``part-rank-RRRRR.json`` (save id, size and CRC-32 of each file and of the plan), each atomically
+   (temp file, fsync, ``os.replace``, fsync of the directory). A rank whose write fails writes a
+   part holding ``"error"`` instead (best effort), so rank 0 fails at once and names the cause.
+4. Rank 0's worker waits for all ``world_size`` parts of this save while files in the step
+   directory keep growing, and fails after ``commit_timeout`` seconds without growth, naming the
+   ranks that never confirmed. Then it merges the plans into DCP's ``dcp/.metadata`` and commits
+   (``manifest.json``, sentinel removal, fsync, ``latest``, retention): the layout of a synchronous
+   multi-rank save, loaded by ``Checkpointer.load``.
+
+DCP without its collective planner: each rank plans locally (``DefaultSavePlanner``, on the main
+thread while snapshotting, :func:`plan_sharded`). An item every rank holds (a plain tensor or value,
+e.g. DDP's replicated weights) is written by rank 0 only; a DTensor shard by the replica at
+coordinate 0 of its ``Replicate`` mesh dimensions: DCP's ``dedup_save_to_lowest_rank`` choice,
+made without a gather. Rank 0 checks that every item some rank holds was written by one and that
+each tensor's chunks cover it, before it writes the metadata.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import math
+import os
+import pickle
+import time
+import zlib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+from ._async_buffers import Ref
+from ._config import CheckpointInfo
+from ._files import CHECKSUM, atomic_write_bytes, crc32_file, fsync_dir
+from ._layout import DCP_DIR, SENTINEL, rank_file, step_name
+from ._manifest import validate_dir
+from ._single import WriteProgress, write_state_file
+from ._state import Snapshot
+
+__all__ = ["PART_FORMAT", "RankCommit", "part_name", "plan_sharded"]
+
+log = logging.getLogger(__name__)
+
+PART_FORMAT = "ftkit-part"
+
+
+def part_name(rank: int, suffix: str = "json") -> str:
+    return f"part-rank-{rank:05d}.{suffix}"
+
+
+# ---------------------------------------------------------------------- main thread: local DCP plan
+def _writes_item(obj: Any, rank: int) -> bool:
+    """Whether this rank writes ``obj``'s item: one writer per item, decided without a gather."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        coord = obj.device_mesh.get_coordinate()
+        return coord is not None and all(
+            c == 0 for c, p in zip(coord, obj.placements, strict=True) if p.is_replicate()
+        )
+    if hasattr(obj, "local_shards"):  # legacy ShardedTensor: its local shards are this rank's alone
+        return True
+    return rank == 0  # plain tensors and values are replicated (DCP's semantics): lowest rank
+
+
+def plan_sharded(
+    state: Mapping[str, Any], keys: frozenset[str], rank: int, start: int
+) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
+    """This rank's DCP part of ``keys``: ``(skeleton, [(where, live tensor), ...])``, no copies.
+
+    The skeleton holds the local plan (``held``: every item this rank has; ``written``: those it
+    writes), DCP's flattening ``mappings`` and per written item a :class:`Ref` (numbered from
+    ``start``) or, for a non-tensor value, its ``torch.save`` bytes taken now. No collectives.
+    """
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from ._dcp import _live_state_dicts
+
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(
+        state_dict=_live_state_dicts(state, keys, StateDictOptions()),
+        storage_meta=None,
+        is_coordinator=rank == 0,
+    )
+    plan = planner.create_local_plan()
+    written: list[Any] = []
+    data: list[Any] = []
+    tensors: list[tuple[str, torch.Tensor]] = []
+    for item in plan.items:
+        if not _writes_item(planner.state_dict[item.index.fqn], rank):
+            continue
+        value = planner.lookup_object(item.index)
+        written.append(item)
+        if item.type == WriteItemType.BYTE_IO:
+            data.append(planner.transform_object(item, value).getvalue())
+        else:
+            offset = tuple(item.index.offset) if item.index.offset is not None else ()
+            tensors.append((f"dcp[{item.index.fqn!r}]@{offset}", value.detach()))
+            data.append(Ref(start + len(tensors) - 1))
+    skeleton = {
+        "held": [item.index for item in plan.items],
+        "written": written,
+        "data": data,
+        "mappings": dict(planner.mappings),
+    }
+    return skeleton, tensors
+
+
+class _Resolver:
+    """The ``planner.resolve_data`` that DCP's FileSystemWriter asks for each item's host copy."""
+
+    def __init__(self, items: list[Any], data: list[Any]) -> None:
+        self._data = {item.index: value for item, value in zip(items, data, strict=True)}
+
+    def resolve_data(self, item: Any) -> Any:
+        value = self._data[item.index]
+        return io.BytesIO(value) if isinstance(value, bytes) else value
+
+
+# ---------------------------------------------------------------------- rank 0: merge the plans
+def merge_metadata(plans: Mapping[int, Mapping[str, Any]]) -> tuple[Any, list[Any]]:
+    """DCP ``Metadata`` and the write results of all ranks' plans; CheckpointError if a piece is missing."""
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        Metadata,
+        TensorStorageMetadata,
+    )
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    md: dict[str, Any] = {}
+    results: dict[Any, Any] = {}
+    mappings: dict[str, Any] = {}
+    holders: dict[Any, list[int]] = {}
+    for rank in sorted(plans):
+        plan = plans[rank]
+        for fqn, path in plan["mappings"].items():
+            mappings.setdefault(fqn, path)
+        for index in plan["held"]:
+            holders.setdefault(index, []).append(rank)
+        by_index = {wr.index: wr for wr in plan["results"]}
+        for item in plan["written"]:
+            if item.index in results:
+                continue
+            results[item.index] = by_index[item.index]
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                md[fqn] = BytesStorageMetadata()
+            else:
+                td = item.tensor_data
+                entry = md.setdefault(
+                    fqn, TensorStorageMetadata(properties=td.properties, size=td.size, chunks=[])
+                )
+                entry.chunks.append(td.chunk)
+    unwritten = sorted({i.fqn for i in holders if i not in results})
+    if unwritten:
+        held_by = {i.fqn: holders[i] for i in holders if i not in results}
+        raise CheckpointError(
+            f"no rank wrote {', '.join(unwritten[:5])} (held by ranks {held_by[unwritten[0]]}): a "
+            "non-DTensor value that rank 0 lacks cannot be saved asynchronously; keep such state "
+            "identical on every rank, or use the synchronous Checkpointer"
+        )
+    for fqn, entry in md.items():
+        if isinstance(entry, TensorStorageMetadata):
+            covered = sum(math.prod(c.sizes) for c in entry.chunks)
+            if covered != math.prod(entry.size):
+                raise CheckpointError(
+                    f"the shards of {fqn} cover {covered} of {math.prod(entry.size)} elements"
+                )
+    return Metadata(state_dict_metadata=md, planner_data=mappings), list(results.values())
+
+
+# ---------------------------------------------------------------------- the per-rank worker side
+class RankCommit:
+    """``persist`` for one rank of several: its part, plus, on rank 0, the commit (module doc).
+
+    Wraps the rank's :class:`~ftkit.checkpoint.Checkpointer` (its preparation, commit, retention
+    and bookkeeping of failed steps are reused) and runs on the rank's checkpoint worker thread.
+    """
+
+    def __init__(
+        self,
+        checkpointer: Any,
+        *,
+        run_id: str,
+        timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.ckpt = checkpointer
+        self.rank = checkpointer.rank
+        self.world_size = checkpointer.world_size
+        self.run_id = run_id
+        self.timeout = timeout
+        self._clock = clock
+        self._sleep = sleep
+        self._count: dict[int, int] = {}
+
+    @property
+    def sync(self) -> bool:
+        return bool(self.ckpt.config.fsync)
+
+    def persist(
+        self, snapshot: Snapshot, step: int, *, pin: bool = False, reason: str | None = None
+    ) -> CheckpointInfo:
+        if not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"checkpoint step must be a non-negative int, got {step!r}")
+        # the same on every rank as long as the ranks save the same steps in the same order
+        self._count[step] = self._count.get(step, 0) + 1
+        save_id = f"{self.run_id} step {step} #{self._count[step]}"
+        path = self.ckpt.root / step_name(step)
+        progress = WriteProgress()
+        started = time.monotonic()
+        if self.rank != 0:
+            if not self._await_start(path, save_id, step):
+                return validate_dir(path)
+            try:
+                self._write_part(snapshot, path, save_id, step, progress)
+            except BaseException as exc:
+                err = self._error(exc, step, path, progress, snapshot)
+                self._write_error_part(path, save_id, step, err)
+                if err is exc:
+                    raise
+                raise err from exc
+            return CheckpointInfo(
+                step=step,
+                path=path,
+                status="pending",
+                pinned=pin,
+                saved_for=reason,
+                reason=f"rank {self.rank}'s part is durable; rank 0 commits the checkpoint",
+            )
+        ck = self.ckpt
+        ck._in_progress.add(step)
+        try:
+            existing = ck._prepare(step, path, pin)
+            if existing is not None:
+                return existing
+            atomic_write_bytes(path / SENTINEL, save_id.encode(), sync=self.sync)
+            self._write_part(snapshot, path, save_id, step, progress)
+            parts = self._await_parts(path, save_id, step)
+            files = self._seal_dcp(path, parts)
+            info = ck._commit(step, path, files, pin=pin, reason=reason)
+        except BaseException as exc:
+            ck._failed.add(step)
+            err = self._error(exc, step, path, progress, snapshot)
+            ck._emit("save-failed", step=step, path=str(path), error=str(err))
+            if err is exc:
+                raise
+            raise err from exc
+        finally:
+            ck._in_progress.discard(step)
+        seconds = time.monotonic() - started
+        log.info(
+            "saved checkpoint step %d to %s (%d bytes, %d ranks, %.2fs)",
+            step,
+            path,
+            info.size,
+            self.world_size,
+            seconds,
+        )
+        ck._emit(
+            "save",
+            step=step,
+            path=str(path),
+            bytes=info.size,
+            seconds=round(seconds, 3),
+            reason=reason,
+        )
+        try:
+            ck.apply_retention()
+        except Exception as exc:  # the checkpoint is committed; retention can retry next time
+            log.warning("retention after saving step %d failed: %s", step, exc)
+        return info
+
+    def _error(
+        self, exc: BaseException, step: int, path: Path, progress: WriteProgress, snapshot: Snapshot
+    ) -> BaseException:
+        if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
+            return exc
+        if isinstance(exc, OSError):
+            return self.ckpt._os_error(exc, step, path, progress, snapshot.nbytes)
+        return CheckpointError(
+            f"could not save rank {self.rank}'s part of checkpoint step {step} to {path}: {exc}"
+        )
+
+    # ------------------------------------------------------------------ waiting on files
+    def _poll(
+        self,
+        ready: Callable[[], Any],
+        stalled: Callable[[], bool],
+        fail: Callable[[], CheckpointError],
+    ) -> Any:
+        """Poll ``ready()`` (backing off to 0.1 s) until truthy; raise ``fail()`` once ``stalled()``."""
+        delay = 0.005
+        while not (value := ready()):
+            if stalled():
+                raise fail()
+            self._sleep(delay)
+            delay = min(delay * 2, 0.1)
+        return value
+
+    def _await_start(self, path: Path, save_id: str, step: int) -> bool:
+        """True once rank 0's sentinel names this save; False if the step is already valid."""
+        deadline = self._clock() + self.timeout
+
+        def ready() -> str:
+            try:
+                content = (path / SENTINEL).read_bytes().decode(errors="replace")
+            except OSError:
+                content = None
+            if content == save_id:
+                return "write"
+            if content is None and validate_dir(path).valid:
+                return "exists"  # rank 0 keeps a valid checkpoint of this step, as a sync save does
+            return ""
+
+        decision = self._poll(
+            ready,
+            lambda: self._clock() > deadline,
+            lambda: CheckpointError(
+                f"rank 0 did not start checkpoint step {step} in {path} within {self.timeout:g}s "
+                f"(checkpoint.async.commit_timeout): its {SENTINEL} never named this save ({save_id})"
+            ),
+        )
+        if decision == "exists":
+            log.info(
+                "checkpoint step %d already exists and is valid; rank %d writes nothing",
+                step,
+                self.rank,
+            )
+        return decision == "write"
+
+    def _await_parts(self, path: Path, save_id: str, step: int) -> dict[int, dict[str, Any]]:
+        """Every rank's confirmation of this save, failing after ``timeout`` s without progress."""
+        parts: dict[int, dict[str, Any]] = {}
+        state = {"size": -1, "since": self._clock()}
+
+        def ready() -> bool:
+            for rank in range(self.world_size):
+                if rank in parts:
+                    continue
+                part = _read_part(path, rank)
+                if part is None or part.get("save_id") != save_id:
+                    continue
+                if part.get("error"):
+                    raise CheckpointError(
+                        f"rank {rank} could not write its part of checkpoint step {step} to {path}: "
+                        f"{part['error']}"
+                    )
+                parts[rank] = part
+            return len(parts) == self.world_size
+
+        def stalled() -> bool:
+            size = _tree_size(path)
+            if size != state["size"]:
+                state["size"], state["since"] = size, self._clock()
+            return self._clock() - state["since"] > self.timeout
+
+        def fail() -> CheckpointError:
+            missing = [r for r in range(self.world_size) if r not in parts]
+            names = ", ".join(part_name(r) for r in missing)
+            return CheckpointError(
+                f"rank {', '.join(map(str, missing))} never confirmed its part of checkpoint step {step}: "
+                f"no {names} in {path}, and no file there grew for {self.timeout:g}s "
+                "(checkpoint.async.commit_timeout). The directory stays marked incomplete"
+            )
+
+        self._poll(ready, stalled, fail)
+        return parts
+
+    # ------------------------------------------------------------------ writing
+    def _write_part(
+        self, snapshot: Snapshot, path: Path, save_id: str, step: int, progress: WriteProgress
+    ) -> None:
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint.filesystem import _StoragePrefix
+        from torch.distributed.checkpoint.planner import SavePlan
+
+        sync = self.sync
+        name = rank_file(self.rank)
+        meta = {"rank": self.rank, "world_size": self.world_size}
+        files = {
+            name: write_state_file(
+                path, name, {**snapshot.local, **meta}, sync=sync, progress=progress
+            )
+        }
+        sharded = snapshot.sharded
+        written, results = sharded.get("written", []), []
+        if written:
+            writer = FileSystemWriter(path / DCP_DIR, sync_files=sync)
+            plan = SavePlan(items=written, storage_data=_StoragePrefix(f"__{self.rank}_"))
+            results = writer.write_data(plan, _Resolver(written, sharded["data"])).value()  # type: ignore[arg-type]
+            for entry in sorted({wr.storage_data.relative_path for wr in results}):
+                size, crc = crc32_file(path / DCP_DIR / entry)
+                files[f"{DCP_DIR}/{entry}"] = {"size": size, CHECKSUM: crc, "rank": self.rank}
+        if sync:
+            fsync_dir(path / DCP_DIR)
+            fsync_dir(path)
+        plan_blob = pickle.dumps(
+            {
+                "held": sharded.get("held", []),
+                "written": written,
+                "results": results,
+                "mappings": sharded.get("mappings", {}),
+            },
+            protocol=pickle.HIGHEST_PROTOCOL,
+        )
+        atomic_write_bytes(path / part_name(self.rank, "plan"), plan_blob, sync=sync)
+        plan_entry = {
+            "name": part_name(self.rank, "plan"),
+            "size": len(plan_blob),
+            CHECKSUM: f"{zlib.crc32(plan_blob):08x}",
+        }
+        self._write_json(
+            path, {"save_id": save_id, "step": step, "files": files, "plan": plan_entry}
+        )
+
+    def _write_json(self, path: Path, fields: dict[str, Any]) -> None:
+        doc = {
+            "format": PART_FORMAT,
+            "version": 1,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            **fields,
+        }
+        atomic_write_bytes(
+            path / part_name(self.rank),
+            (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode(),
+            sync=self.sync,
+        )
+
+    def _write_error_part(self, path: Path, save_id: str, step: int, err: BaseException) -> None:
+        """Tell rank 0 at once (best effort: a full disk may refuse this too; rank 0 then times out)."""
+        try:
+            self._write_json(path, {"save_id": save_id, "step": step, "error": str(err)})
+        except OSError as exc:
+            log.warning(
+                "could not report rank %d's failure to rank 0 in %s: %s", self.rank, path, exc
+            )
+
+    def _seal_dcp(
+        self, path: Path, parts: Mapping[int, Mapping[str, Any]]
+    ) -> dict[str, dict[str, Any]]:
+        """Check every part's files, merge the plans into ``dcp/.metadata``; the manifest's file list."""
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        files: dict[str, dict[str, Any]] = {}
+        plans: dict[int, dict[str, Any]] = {}
+        for rank, part in sorted(parts.items()):
+            for name, meta in part["files"].items():
+                try:
+                    size = os.lstat(path / name).st_size
+                except OSError as exc:
+                    raise CheckpointError(
+                        f"rank {rank}'s {name} in {path}: {exc.strerror or exc}"
+                    ) from exc
+                if size != meta["size"]:
+                    raise CheckpointError(
+                        f"rank {rank}'s {name} in {path}: {size} bytes, its part says {meta['size']}"
+                    )
+                files[name] = dict(meta)
+            entry = part["plan"]
+            blob = (path / entry["name"]).read_bytes()
+            if len(blob) != entry["size"] or f"{zlib.crc32(blob):08x}" != entry[CHECKSUM]:
+                raise CheckpointError(
+                    f"rank {rank}'s {entry['name']} in {path} does not match its part"
+                )
+            plans[rank] = pickle.loads(blob)
+        metadata, results = merge_metadata(plans)
+        FileSystemWriter(path / DCP_DIR, sync_files=self.sync).finish(metadata, [results])
+        size, crc = crc32_file(path / DCP_DIR / ".metadata")
+        files[f"{DCP_DIR}/.metadata"] = {"size": size, CHECKSUM: crc, "rank": 0}
+        if self.sync:
+            fsync_dir(path / DCP_DIR)
+        return files
+
+
+def _read_part(path: Path, rank: int) -> dict[str, Any] | None:
+    """``part-rank-R.json`` of ``path`` if present and well formed (written atomically), else None."""
+    try:
+        doc = json.loads((path / part_name(rank)).read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("unreadable %s in %s: %s", part_name(rank), path, exc)
+        return None
+    ok = isinstance(doc, dict) and doc.get("format") == PART_FORMAT and doc.get("rank") == rank
+    return doc if ok else None
+
+
+def _tree_size(path: Path) -> int:
+    """Bytes in ``path`` and ``path/dcp`` (temp files included): growth means a rank is writing."""
+    total = 0
+    for where in (path, path / DCP_DIR):
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(where):
+                with contextlib.suppress(OSError):
+                    if entry.is_file(follow_symlinks=False):
+                        total += entry.stat(follow_symlinks=False).st_size
+    return total
