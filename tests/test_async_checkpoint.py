@@ -48,7 +48,8 @@ def test_config_errors_name_the_setting(kw, setting):
         AsyncConfig(**kw)
 
 
-def test_multi_rank_is_refused_with_a_clear_message(tmp_path):
+def test_several_ranks_without_a_process_group_is_refused(tmp_path):
+    """world_size > 1 needs torch.distributed initialised first (construction is collective)."""
     from ftkit.checkpoint._async import AsyncCheckpointer
     from ftkit.errors import ConfigError
 

@@ -20,7 +20,7 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -335,16 +335,23 @@ class Checkpointer:
         problems = [p for p in self.comm.gather(problem) if p]
         if problems:
             return problems[0]
+        rest: Mapping[str, Any] = state
         if self.comm.distributed:
             from ._dcp import load_sharded, sharded_keys
 
+            keys = sharded_keys(state)
             try:
-                load_sharded(state, sharded_keys(state), path, pg=self.comm.pg)
+                load_sharded(state, keys, path, pg=self.comm.pg)
             except Exception as exc:
                 raise CheckpointError(
                     f"could not load sharded state from {path / DCP_DIR}: {exc}"
                 ) from exc
-        restore_state(state, payload["state"])
+            rest = {k: v for k, v in state.items() if k not in keys}  # the rest is in rank-R.pt
+        restore_state(rest, payload["state"])
+        if rest is not state and isinstance(state, MutableMapping):
+            for key, value in rest.items():  # plain values restored by replacement
+                if state[key] is not value:
+                    state[key] = value
         restore_rng(payload["rng"])
         return ""
 
