@@ -278,3 +278,20 @@ def test_scontrol_unavailable_falls_back_to_resubmission(slurm_jobs, tmp_path, r
     slurm_jobs.wait_state(new_job, {"COMPLETED"}, timeout=120)
     assert "resubmitted as job" in output(tmp_path, job)
     assert_resumed_exactly(jobdir, 1, sha, requeued=False)
+
+
+def test_demo_slurm_submits_the_one_node_template(slurm_jobs, tmp_path) -> None:
+    """`ftkit demo --slurm` renders the single template into the job dir and submits it."""
+    jobdir = tmp_path / "demo"
+    out = subprocess.run([sys.executable, "-m", "ftkit", "demo", "--slurm", "--jobdir", str(jobdir),
+                          "--steps", "60", "--step-time", "0", "--save-every", "20"],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path, check=True).stdout
+    job = int(out.split("submitted job ")[1].split()[0])
+    slurm_jobs.job_ids.append(job)
+    info = slurm_jobs.wait_state(job, {"COMPLETED"}, timeout=120)
+    assert info["Restarts"] == "0"
+    assert (jobdir / "demo.sbatch").exists()
+    result = results(jobdir, 1)[0]
+    assert result["completed"] and result["last_step"] == 60
+    assert [e["step"] for e in events(jobdir, "save")] == [20, 40, 60]
+    assert events(jobdir, "requeue")[-1]["reason"].startswith("training completed")

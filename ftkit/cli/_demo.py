@@ -111,6 +111,7 @@ def _panel(info: Any, started: float, first: int, total: int) -> Any:
 def _submit(args: argparse.Namespace, console: Any) -> int:
     import shutil
     import subprocess
+    import sys
 
     from ..errors import ConfigError
     from ..slurm.templates import render
@@ -119,12 +120,15 @@ def _submit(args: argparse.Namespace, console: Any) -> int:
         raise ConfigError("--slurm: sbatch is not on PATH; run without --slurm for a local run")
     jobdir = args.jobdir.absolute()
     jobdir.mkdir(parents=True, exist_ok=True)
-    command = (f"python3 -m ftkit demo --no-live --jobdir {jobdir} --steps {args.steps} "
+    command = (f'"$PYTHON" -m ftkit demo --no-live --jobdir "$JOBDIR" --steps {args.steps} '
                f"--step-time {args.step_time} --save-every {args.save_every} --seed {args.seed}")
     script = jobdir / "demo.sbatch"
-    script.write_text(render("single", {"job_name": "ftkit-demo", "jobdir": str(jobdir), "command": command}))
+    script.write_text(render("single", {
+        "job_name": "ftkit-demo", "jobdir": str(jobdir), "command": command, "python": sys.executable,
+        "output": str(jobdir / "slurm-%j.out"), "error": str(jobdir / "slurm-%j.out")}))
     out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise ConfigError(f"sbatch {script} failed: {out.stderr.strip()}")
-    console.print(f"submitted job {out.stdout.strip()} ({script}); watch it with `ftkit status {jobdir}`")
+    console.print(f"submitted job {out.stdout.strip()} ({script}); watch it with `ftkit status {jobdir}`; "
+                  f"its output goes to {jobdir}/slurm-<job id>.out")
     return 0
