@@ -388,8 +388,15 @@ def error_main(a) -> None:
     mgr.save(6, state)
     mgr.close()
     _write(a.out, rank, {"error": error, "seconds": seconds})
+    import gc
+
     import torch.distributed as dist
 
+    # Drop the manager (and the process-group handles it holds) before destroying the group:
+    # a gloo group object that outlives destroy_process_group until interpreter shutdown
+    # can abort there ("terminate called without an active exception").
+    del mgr
+    gc.collect()
     dist.destroy_process_group()
 
 

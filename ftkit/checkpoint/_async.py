@@ -372,6 +372,11 @@ class AsyncCheckpointer:
             atexit.unregister(self._at_exit)
             self._backend.close()
             self.checkpointer.close()
+            # Let go of the snapshots and anything a failure's traceback holds (tensors, the
+            # process group): torch must not meet them first during interpreter shutdown.
+            self._slots = []
+            self._newest = None
+            self._error = None
 
     def _at_exit(self) -> None:
         try:

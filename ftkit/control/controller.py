@@ -163,6 +163,10 @@ class FaultTolerance:
                     self._consume_durable()
                 finally:
                     self._checkpoints.close()
+                    # let go of the manager and its process-group handles (a gloo group
+                    # that outlives destroy_process_group can abort interpreter shutdown)
+                    self._checkpoints = None
+                    self._background = False
         finally:
             self._watcher.close()
             self._signals.close()
