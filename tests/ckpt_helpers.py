@@ -156,6 +156,11 @@ if __name__ == "__main__":
         train_main(sys.argv[2:])
     else:
         raise SystemExit(f"unknown command {sys.argv[1]}")
+    # Skip interpreter teardown once results are written: gloo objects torn down there can
+    # abort the process ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---------------------------------------------------------------- in-process helpers

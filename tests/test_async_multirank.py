@@ -395,7 +395,7 @@ def error_main(a) -> None:
     # Drop the manager (and the process-group handles it holds) before destroying the group:
     # a gloo group object that outlives destroy_process_group until interpreter shutdown
     # can abort there ("terminate called without an active exception").
-    del mgr
+    mgr = None  # drop the last reference
     gc.collect()
     dist.destroy_process_group()
 
@@ -483,3 +483,9 @@ if __name__ == "__main__":
         "fsdp": fsdp_main,
     }
     mains[args.command](args)
+    # Results are written and the group is destroyed. Skip interpreter teardown: gloo objects
+    # torn down there abort the process now and then with "terminate called without an
+    # active exception" (seen about 1 run in 20 with torch 2.13 on this 2-core machine).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
