@@ -265,27 +265,8 @@ class RankCommit:
             raise err from exc
         finally:
             ck._in_progress.discard(step)
-        seconds = time.monotonic() - started
-        log.info(
-            "saved checkpoint step %d to %s (%d bytes, %d ranks, %.2fs)",
-            step,
-            path,
-            info.size,
-            self.world_size,
-            seconds,
-        )
-        ck._emit(
-            "save",
-            step=step,
-            path=str(path),
-            bytes=info.size,
-            seconds=round(seconds, 3),
-            reason=reason,
-        )
-        try:
-            ck.apply_retention()
-        except Exception as exc:  # the checkpoint is committed; retention can retry next time
-            log.warning("retention after saving step %d failed: %s", step, exc)
+        # the rank commit runs on rank 0's worker: no barrier here, only the log, event, retention
+        ck._saved(info, seconds=time.monotonic() - started, reason=reason)
         return info
 
     def _error(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = [
@@ -62,11 +63,14 @@ def is_real_dir(path: str | os.PathLike[str]) -> bool:
         return False
 
 
-def list_step_dirs(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+def list_step_dirs(
+    root: str | os.PathLike[str], parse: Callable[[str], int | None] | None = None
+) -> list[tuple[int, Path]]:
     """``(step, path)`` of every real step directory directly inside ``root``, newest first.
 
-    Symlinks and anything not named like ftkit's step directories are ignored.
+    Symlinks and anything ``parse`` (default: ftkit's ``step-N`` names) does not accept are ignored.
     """
+    parse = parse_step if parse is None else parse
     root = Path(root)
     out: list[tuple[int, Path]] = []
     try:
@@ -74,7 +78,7 @@ def list_step_dirs(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     except (FileNotFoundError, NotADirectoryError):
         return out
     for entry in entries:
-        step = parse_step(entry.name)
+        step = parse(entry.name)
         if step is None or not entry.is_dir(follow_symlinks=False):
             continue
         out.append((step, root / entry.name))

@@ -129,23 +129,21 @@ class Checkpointer:
             raise err from exc
         finally:
             self._in_progress.discard(step)
-        seconds = time.monotonic() - started
-        log.info("saved checkpoint step %d to %s (%d bytes, %.2fs)", step, path, info.size, seconds)
-        self._emit(
-            "save",
-            step=step,
-            path=str(path),
-            bytes=info.size,
-            seconds=round(seconds, 3),
-            reason=reason,
-        )
+        self._saved(info, seconds=time.monotonic() - started, reason=reason)
+        self.comm.barrier()
+        return info
+
+    def _saved(self, info: CheckpointInfo, *, seconds: float, reason: str | None) -> None:
+        """After a commit: log it, write the ``save`` event, apply retention (rank 0)."""
+        log.info("saved checkpoint step %d to %s (%d bytes, %d ranks, %.2fs)",
+                 info.step, info.path, info.size, self.comm.world_size, seconds)
+        self._emit("save", step=info.step, path=str(info.path), bytes=info.size,
+                   seconds=round(seconds, 3), reason=reason)
         if self.rank == 0:
             try:
                 self.apply_retention()
             except Exception as exc:  # the checkpoint is committed; retention can retry next time
-                log.warning("retention after saving step %d failed: %s", step, exc)
-        self.comm.barrier()
-        return info
+                log.warning("retention after saving step %d failed: %s", info.step, exc)
 
     def _os_error(
         self, exc: OSError, step: int, path: Path, progress: WriteProgress, nbytes: int
@@ -377,24 +375,19 @@ class Checkpointer:
         """Delete what the retention policy says (rank 0 only); returns the deleted paths."""
         if self.rank != 0:
             return []
-        plan = plan_retention(
+        return [info.path for info, why in self._retention_plan() if self._delete(info, why)]
+
+    def _retention_plan(self) -> builtins.list[tuple[CheckpointInfo, str]]:
+        return plan_retention(
             self.list(),
             keep_last=self.config.keep_last,
             keep_every=self.config.keep_every,
             in_progress=self._in_progress,
             failed=self._failed,
         )
-        return [info.path for info, why in plan if self._delete(info, why)]
 
     def _clean_leftovers(self) -> None:
-        plan = plan_retention(
-            self.list(),
-            keep_last=self.config.keep_last,
-            keep_every=self.config.keep_every,
-            in_progress=self._in_progress,
-            failed=self._failed,
-        )
-        for info, why in plan:
+        for info, why in self._retention_plan():
             if not info.valid:
                 self._delete(info, why)
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from ..checkpoint import CheckpointInfo, validate_dir
 from ..checkpoint._files import crc32_file, fsync_dir, fsync_file
-from ..checkpoint._layout import MANIFEST, SENTINEL
+from ..checkpoint._layout import MANIFEST, SENTINEL, list_step_dirs
 from ..checkpoint._manifest import build_manifest, write_manifest
 from ..checkpoint._retention import plan_retention
 from ..errors import CheckpointError
@@ -55,18 +55,7 @@ def parse_hf_step(name: str) -> int | None:
 
 def checkpoint_dirs(output_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """``(step, path)`` of every real ``checkpoint-N`` directory in ``output_dir``, newest first."""
-    root = Path(output_dir)
-    out: list[tuple[int, Path]] = []
-    try:
-        entries = list(os.scandir(root))
-    except (FileNotFoundError, NotADirectoryError):
-        return out
-    for entry in entries:
-        step = parse_hf_step(entry.name)
-        if step is not None and entry.is_dir(follow_symlinks=False):
-            out.append((step, root / entry.name))
-    out.sort(key=lambda item: item[0], reverse=True)
-    return out
+    return list_step_dirs(output_dir, parse_hf_step)
 
 
 def inspect(path: str | os.PathLike[str], *, checksums: bool = False) -> CheckpointInfo:
