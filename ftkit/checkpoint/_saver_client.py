@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -67,6 +67,9 @@ class ShmBackend:
         if path is not None:
             cmd += ["--events", str(path)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_saver_env())
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both are pipes
+        self._to_saver: IO[bytes] = self.proc.stdin
+        self._from_saver: IO[bytes] = self.proc.stdout
         self._reader = threading.Thread(target=self._read, name="ftkit-saver-reader", daemon=True)
         self._reader.start()
 
@@ -75,8 +78,8 @@ class ShmBackend:
         line = (json.dumps(msg) + "\n").encode()
         with self._lock:
             try:
-                self.proc.stdin.write(line)
-                self.proc.stdin.flush()
+                self._to_saver.write(line)
+                self._to_saver.flush()
             except (BrokenPipeError, OSError, ValueError) as exc:
                 raise CheckpointError(
                     f"the checkpoint saver process (pid {self.proc.pid}) is gone ({self._lost or exc}); "
@@ -120,7 +123,7 @@ class ShmBackend:
 
     # -------------------------------------------------------------- saver -> trainer
     def _read(self) -> None:
-        for raw in self.proc.stdout:
+        for raw in self._from_saver:
             try:
                 msg = json.loads(raw)
             except json.JSONDecodeError:
@@ -144,7 +147,7 @@ class ShmBackend:
             with contextlib.suppress(CheckpointError):
                 self._send(op="close")
             with contextlib.suppress(OSError):
-                self.proc.stdin.close()
+                self._to_saver.close()
             try:
                 self.proc.wait(timeout=self._timeout)
             except subprocess.TimeoutExpired:
@@ -153,7 +156,7 @@ class ShmBackend:
                 self.proc.wait()
             self._reader.join()
             with contextlib.suppress(OSError):
-                self.proc.stdout.close()
+                self._from_saver.close()
         finally:
             for seg in self.segments:
                 if seg is not None:

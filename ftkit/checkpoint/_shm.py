@@ -133,7 +133,7 @@ class Segment:
                 torch.cuda.cudart().cudaHostUnregister(self._base.data_ptr())
             self._registered = False
         self.buffers = []
-        self._base = None
+        self._base = None  # type: ignore[assignment]  # closed: the mapping is gone
         if not self._head.closed:
             self._head.close()
         self._unlink()
