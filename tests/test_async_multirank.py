@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 WORLD = 2
 
@@ -64,7 +66,8 @@ def _report(out: Path, rank: int) -> dict:
 
 
 # ---------------------------------------------------------------- tests
-def test_async_two_ranks_commit_and_resume_bit_identically(tmp_path):
+@pytest.mark.parametrize("crash_safe", [False, True], ids=["thread", "crash-safe"])
+def test_async_two_ranks_commit_and_resume_bit_identically(tmp_path, crash_safe):
     import torch
 
     from ftkit.checkpoint import validate_dir
@@ -83,7 +86,7 @@ def test_async_two_ranks_commit_and_resume_bit_identically(tmp_path):
         str(tmp_path / "straight"),
     )
     # rank 1 carries 64 MiB more state: its worker is slow, rank 0's save must not wait for it
-    _run(
+    procs = _launch(
         "train",
         "--mode",
         "async",
@@ -97,7 +100,9 @@ def test_async_two_ranks_commit_and_resume_bit_identically(tmp_path):
         "64",
         "--out",
         str(tmp_path / "first"),
+        *(["--crash-safe"] if crash_safe else []),
     )
+    _finish(procs)
     root = tmp_path / "ck"
     for step in (4, stop):  # a periodic persist (memory every 2, persist every 2nd) and the save
         info = validate_dir(root / f"step-{step:08d}", checksums=True)
@@ -107,6 +112,9 @@ def test_async_two_ranks_commit_and_resume_bit_identically(tmp_path):
     timing = _report(tmp_path / "first", 0)
     assert not timing["manifest_at_return"], "rank 0's save() returned after the commit: it blocked"
     assert timing["save_seconds"] < timing["commit_seconds"] / 2, timing
+    if crash_safe:  # one saver for the node, started by rank 0, and nothing left behind
+        assert [_report(tmp_path / "first", r)["saver_children"] for r in range(WORLD)] == [1, 0]
+        assert [p.name for p in Path("/dev/shm").glob(f"ftkit-*-{procs[0].pid}-*")] == []
     _run(
         "train",
         "--mode",
@@ -183,7 +191,6 @@ def test_fsdp2_shards_saved_async_load_with_the_sync_checkpointer(tmp_path):
 
 
 def test_settings_and_refusals(tmp_path):
-    import pytest
     import torch
     from torch.distributed.checkpoint import DefaultSavePlanner
 
@@ -194,7 +201,7 @@ def test_settings_and_refusals(tmp_path):
 
     with pytest.raises(ConfigError, match=r"checkpoint\.async\.commit_timeout"):
         AsyncConfig(commit_timeout=0)
-    with pytest.raises(ConfigError, match=r"checkpoint\.async\.crash_safe.*world_size=2"):
+    with pytest.raises(ConfigError, match="init_process_group"):
         AsyncCheckpointer(
             CheckpointConfig(root=tmp_path), world_size=2, async_config=AsyncConfig(crash_safe=True)
         )
@@ -278,7 +285,8 @@ def train_main(a) -> None:
     if a.mode == "sync":
         mgr = make_manager(CheckpointConfig(root=a.root, keep_last=2), rank=rank, world_size=world)
     else:
-        mgr = _manager(a.root, rank, world, memory_every=2, persist_every=2, max_in_flight=2)
+        mgr = _manager(a.root, rank, world, memory_every=2, persist_every=2, max_in_flight=2,
+                       crash_safe=a.crash_safe)
         if rank == 1 and a.ballast_mb:
             state["ballast"] = torch.ones(a.ballast_mb << 18)
     step = mgr.load(state) or 0
@@ -299,6 +307,10 @@ def train_main(a) -> None:
                 ).exists()
                 mgr.wait()
                 report["commit_seconds"] = time.perf_counter() - began
+                if a.crash_safe:
+                    from tests.test_shm_saver_multirank import _saver_children
+
+                    report["saver_children"] = _saver_children()
                 break
             if step >= a.steps:
                 break
@@ -473,6 +485,7 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=0)
     ap.add_argument("--stop-at", type=int)
     ap.add_argument("--ballast-mb", type=int, default=0)
+    ap.add_argument("--crash-safe", action="store_true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     mains = {

@@ -27,10 +27,10 @@ Rules:
   over (and clears it) without raising, for a controller that checks every step.
 * **Exit.** ``wait`` blocks until every accepted save is durable; ``close`` waits, then stops the
   worker or saver. An interpreter exiting without ``close`` runs it from ``atexit``.
-* **Several ranks** (``world_size > 1``, thread worker only): each rank snapshots in the loop
-  without any collective, its worker writes the rank's part and a confirmation file, and rank 0's
-  worker commits once every rank confirmed (``_async_commit``). Construction is collective (the
-  ranks agree on a run id); ``wait`` is collective: every rank drains its own worker (rank 0's
+* **Several ranks** (``world_size > 1``): each rank snapshots in the loop without any collective,
+  its worker (a thread, or with ``crash_safe`` the node's saver process) writes the rank's part and
+  a confirmation file, and rank 0's worker commits once every rank confirmed (``_async_commit``).
+  Construction is collective (the ranks agree on a run id and learn who shares a node); ``wait`` is collective: every rank drains its own worker (rank 0's
   includes the commit), then the ranks exchange their outcomes, so each returns only once the
   checkpoint is committed and raises if any rank's part or the commit failed.
 """
@@ -86,15 +86,21 @@ class AsyncCheckpointer:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.async_config = async_config if async_config is not None else AsyncConfig()
-        if world_size > 1 and self.async_config.crash_safe:
-            raise ConfigError(
-                f"checkpoint.async.crash_safe: the saver process supports one process per job for now "
-                f"(world_size={world_size}); set crash_safe=False to save several ranks on worker threads"
-            )
         self.checkpointer = Checkpointer(config, events=events, rank=rank, world_size=world_size,
                                          process_group=process_group)
         self._distributed = world_size > 1
-        persister: Any = self._rank_commit() if self._distributed else self.checkpointer
+        node = None
+        persister: Any = self.checkpointer
+        if self._distributed:
+            run_id, hosts = self._agree()
+            if self.async_config.crash_safe:
+                from ._saver_client import NodePlan
+
+                node = NodePlan.from_ranks(rank, run_id, hosts)
+            else:
+                from ._async_commit import RankCommit
+
+                persister = RankCommit(self.checkpointer, run_id=run_id, timeout=self.async_config.commit_timeout)
         self._clock = clock
         self._cond = threading.Condition()
         self._slots = [_Slot(i) for i in range(self.async_config.max_in_flight + 1)]
@@ -111,20 +117,20 @@ class AsyncCheckpointer:
             from ._saver_client import ShmBackend
 
             self._backend: Any = ShmBackend(config, self.async_config, len(self._slots), self._done, copier,
-                                            events=events, rank=rank)
+                                            events=events, rank=rank, node=node)
         else:
             from ._async_thread import ThreadBackend
 
             self._backend = ThreadBackend(persister, len(self._slots), self._done, copier)
         atexit.register(self._at_exit)
 
-    def _rank_commit(self) -> Any:
-        """Several ranks: check torch.distributed and agree on a run id (a collective, main thread)."""
+    def _agree(self) -> tuple[str, list[tuple[str, int]]]:
+        """Several ranks: check torch.distributed, agree on a run id and learn who shares a node
+        (one collective, main thread)."""
+        import socket
         import uuid
 
         import torch.distributed as dist
-
-        from ._async_commit import RankCommit
 
         comm = self.checkpointer.comm
         if not (dist.is_available() and dist.is_initialized()):
@@ -132,8 +138,9 @@ class AsyncCheckpointer:
                 f"checkpoint.async: world_size={comm.world_size} but torch.distributed is not initialized; "
                 "call torch.distributed.init_process_group() before creating the AsyncCheckpointer"
             )
-        run_id = comm.gather(uuid.uuid4().hex)[0]  # save ids name this run: leftovers never match
-        return RankCommit(self.checkpointer, run_id=run_id, timeout=self.async_config.commit_timeout)
+        gathered = comm.gather((uuid.uuid4().hex, socket.gethostname(), os.getpid()))
+        run_id = gathered[0][0]  # save ids name this run: leftovers never match
+        return run_id, [(host, pid) for _, host, pid in gathered]
 
     @property
     def config(self) -> CheckpointConfig:

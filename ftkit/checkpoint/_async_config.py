@@ -42,9 +42,9 @@ class AsyncConfig:
     ``warn``: log it when it happens and at the next call, raise only from ``wait`` (exit paths)."""
 
     crash_safe: bool = False
-    """Keep the snapshots in shared memory owned by a saver process, which persists the newest
-    complete one if the trainer dies (one saver per trainer process; single-process jobs only:
-    with several ranks use the thread worker, ``crash_safe=False``)."""
+    """Keep the snapshots in shared memory, persisted by a saver process (one per node, started by
+    the node's first rank), which persists the newest snapshot complete on every rank of the node
+    if a trainer dies."""
 
     shm_dir: Path = Path("/dev/shm")
     """Where the shared-memory segments live with ``crash_safe`` (a tmpfs)."""

@@ -1,22 +1,41 @@
-"""The saver process: persists snapshots that live in shared memory, and outlives a crashed trainer.
+"""The saver process: one per node, it persists the snapshots its ranks keep in shared memory
+and outlives a crashed trainer.
 
-Started by the trainer (``ShmBackend`` in ``_saver_client``) as::
+Started by the node's first rank (the *leader*, ``ShmBackend`` in ``_saver_client``) as::
 
-    python -m ftkit.checkpoint._saver --config JSON --trainer-pid PID [--events FILE --rank R]
+    python -m ftkit.checkpoint._saver --config JSON --trainer-pid PID --ranks R,R,...
+        [--world-size W --run-id ID --socket PATH --commit-timeout S --events FILE]
 
-It reads one JSON command per line on stdin and answers one JSON line per command on its
-(original) stdout; everything else it prints goes to stderr.
+Channels. The leader talks over the saver's stdin and (original) stdout; every other rank of the
+node connects to the Unix socket ``PATH`` (mode 0600, the peer's uid is checked) and first says
+``{"op": "hello", "rank": r, "pid": p}``. On each channel, one JSON command per line:
 
-* ``{"op": "segment", "slot": i, "path": P}``  slot i now lives in segment P (saver unlinks it at exit)
-* ``{"op": "persist", "slot": i, "seq": n, "step": s, "pin": b, "reason": r}``  commit it through
-  ``Checkpointer.persist`` straight from shared memory; answers ``{"op": "done", "seq": n, "ok": ...}``
-* ``{"op": "close"}``  clean shutdown: unlink the segments, exit 0.
+* ``{"op": "segment", "slot": i, "path": P}``  the rank's slot i now lives in segment P
+* ``{"op": "persist", "slot": i, "seq": n, "step": s, "pin": b, "reason": r}``  commit it straight
+  from shared memory; answered ``{"op": "done", "seq": n, "step": s, "ok": ...}``
+* ``{"op": "close"}``  the rank is done; answered ``{"op": "closed"}``
 
-EOF on stdin (or the trainer's pid no longer being our parent) without ``close`` means the
-trainer died: the saver persists the newest COMPLETE snapshot (if it is newer than what is
-on disk), unlinks every segment and exits. It ignores SIGINT, SIGTERM, SIGHUP and SIGUSR1/2
-(SLURM and Ctrl-C signal the whole step or process group; the trainer decides, the saver
-only follows the pipe), so only kill -9 stops it early.
+Persists run on one worker thread per rank: ``Checkpointer.persist`` for a one-rank job, else
+``RankCommit.persist`` (each rank's part, rank 0 commits; see ``_async_commit``), the very commit
+protocol of a save on a trainer thread. The ranks of one node thus share one process, and rank 0's
+commit, waiting for the other parts, never blocks them.
+
+A trainer is *gone* when its channel ends without ``close``, or its pid is no longer alive (a
+forked child, e.g. a DataLoader worker, may hold the channel open). Once every rank of the node
+has closed or is gone (a rank that never connected within ``--connect-timeout`` counts as gone):
+
+1. if any trainer is gone, the *rescue*: the newest step of which every rank of this node holds a
+   COMPLETE snapshot is persisted for each rank that has not asked for it already (unless that
+   step is already a valid checkpoint);
+2. the workers finish what they were given (a persist in flight when its trainer died completes);
+3. every segment and the socket are unlinked, and the saver exits 0.
+
+With several nodes each node's saver rescues its own ranks' parts; rank 0's saver commits the
+step only if every node rescued the same one (the common case: all ranks snapshot the same
+steps), else it fails after ``--commit-timeout`` and the step stays marked incomplete.
+
+The saver ignores SIGINT, SIGTERM, SIGHUP and SIGUSR1/2 (SLURM and Ctrl-C signal the whole step or
+process group: the trainers decide, the saver follows its channels), so only kill -9 stops it early.
 """
 
 from __future__ import annotations
@@ -26,9 +45,12 @@ import contextlib
 import json
 import logging
 import os
+import queue
 import select
 import signal
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -38,146 +60,316 @@ log = logging.getLogger("ftkit.checkpoint.saver")
 _POLL = 0.5
 
 
-class Saver:
-    def __init__(self, checkpointer: Any, trainer_pid: int, out: Any) -> None:
-        self.ckpt = checkpointer
-        self.trainer_pid = trainer_pid
-        self.out = out
+def proc_start(pid: int) -> str | None:
+    """The start time of a live (not zombie) process, None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[-1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+class Channel:
+    """One rank's connection: the leader's pipes, or a socket of another rank."""
+
+    def __init__(self, *, fd: int, write: Any, rank: int | None = None, pid: int | None = None,
+                 sock: socket.socket | None = None) -> None:
+        self.fd = fd
+        self._write = write
+        self._lock = threading.Lock()
+        self.sock = sock
+        self.rank = rank
+        self.pid: int | None = None
+        self.started: str | None = None
+        self.buf = b""
         self.segments: dict[int, Path] = {}
-        self.persisted: set[int] = set()  # steps this saver committed
+        self.submitted: set[int] = set()
+        self.state = "open"  # open | closed (said close) | gone (ended without close)
+        if pid is not None:
+            self.identify(rank, pid)
 
-    def reply(self, **msg: Any) -> bool:
+    def identify(self, rank: int | None, pid: int) -> None:
+        self.rank, self.pid, self.started = rank, pid, proc_start(pid)
+
+    def alive(self) -> bool:
+        return self.pid is None or (self.started is not None and proc_start(self.pid) == self.started)
+
+    def send(self, **msg: Any) -> bool:
+        data = (json.dumps(msg) + "\n").encode()
+        with self._lock:
+            try:
+                self._write(data)
+                return True
+            except OSError:
+                return False
+
+    def read(self) -> bytes:
         try:
-            self.out.write(json.dumps(msg) + "\n")
-            self.out.flush()
-            return True
-        except (BrokenPipeError, OSError):
-            return False
+            return os.read(self.fd, 1 << 16)
+        except OSError:
+            return b""
 
-    def handle(self, cmd: dict[str, Any]) -> bool:
-        """Run one command; False once the saver should stop."""
+    def end(self, state: str) -> None:
+        if self.state == "open":
+            self.state = state
+
+    def close(self) -> None:
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.close()
+
+
+class Saver:
+    def __init__(self, persisters: dict[int, Any], *, ranks: list[int], leader: Channel, root: Path,
+                 listener: socket.socket | None = None, socket_path: Path | None = None,
+                 connect_timeout: float = 120.0) -> None:
+        self.persisters = persisters
+        self.ranks = ranks
+        self.root = root
+        self.listener = listener
+        self.socket_path = socket_path
+        self.channels: dict[int, Channel] = {ranks[0]: leader}
+        self.pending: list[Channel] = []  # accepted, no hello yet
+        self.connect_deadline = time.monotonic() + connect_timeout
+        self.queues: dict[int, queue.Queue[tuple | None]] = {}
+        self.workers: list[threading.Thread] = []
+        for rank in ranks:
+            q: queue.Queue[tuple | None] = queue.Queue()
+            t = threading.Thread(target=self._work, args=(rank, q), name=f"ftkit-saver-rank{rank}", daemon=True)
+            t.start()
+            self.queues[rank] = q
+            self.workers.append(t)
+
+    # ------------------------------------------------------------------ commands
+    def handle(self, ch: Channel, cmd: dict[str, Any]) -> None:
         op = cmd.get("op")
+        if ch.rank is None:  # a socket channel must introduce itself first
+            rank = cmd.get("rank")
+            if op != "hello" or rank not in self.ranks or rank in self.channels or not isinstance(cmd.get("pid"), int):
+                log.warning("saver: refusing a connection that said %r (expected hello from one of ranks %s)", cmd, self.ranks)
+                ch.end("gone")
+                return
+            ch.identify(int(rank), int(cmd["pid"]))
+            self.pending.remove(ch)
+            self.channels[ch.rank] = ch  # type: ignore[index]  # identified just above
+            ch.send(op="ready", pid=os.getpid())
+            return
         if op == "segment":
-            self.segments[int(cmd["slot"])] = Path(cmd["path"])
-            return True
-        if op == "persist":
+            ch.segments[int(cmd["slot"])] = Path(cmd["path"])
+        elif op == "persist":
+            slot, step = int(cmd["slot"]), int(cmd["step"])
+            ch.submitted.add(step)
+            self.queues[ch.rank].put((ch, ch.segments.get(slot), int(cmd["seq"]), step, bool(cmd.get("pin")), cmd.get("reason")))
+        elif op == "close":
+            ch.end("closed")
+            ch.send(op="closed")
+        else:
+            log.warning("saver: unknown command %r ignored", op)
+
+    def _work(self, rank: int, jobs: queue.Queue[tuple | None]) -> None:
+        while (job := jobs.get()) is not None:
+            ch, path, seq, step, pin, reason = job
             started = time.monotonic()
             try:
-                info = self.persist(int(cmd["slot"]), int(cmd["seq"]), int(cmd["step"]),
-                                    pin=bool(cmd.get("pin")), reason=cmd.get("reason"))
-            except Exception as exc:
-                log.warning("saver: persisting step %s failed: %s", cmd.get("step"), exc)
-                return self.reply(op="done", seq=cmd["seq"], step=cmd["step"], ok=False,
-                                  error=str(exc), error_type=type(exc).__name__)
-            return self.reply(op="done", seq=cmd["seq"], step=cmd["step"], ok=True, size=info.size,
-                              path=str(info.path), seconds=round(time.monotonic() - started, 4))
-        if op == "close":
-            return False
-        log.warning("saver: unknown command %r ignored", op)
-        return True
+                info = self.persist(rank, path, seq, step, pin=pin, reason=reason)
+            except BaseException as exc:
+                log.warning("saver: persisting rank %d's step %s failed: %s", rank, step, exc)
+                ch.send(op="done", seq=seq, step=step, ok=False, error=str(exc), error_type=type(exc).__name__)
+                continue
+            ch.send(op="done", seq=seq, step=step, ok=True, size=info.size, path=str(info.path),
+                    seconds=round(time.monotonic() - started, 4))
 
-    def persist(self, slot: int, seq: int | None, step: int, *, pin: bool, reason: str | None) -> Any:
+    def persist(self, rank: int, path: Path | None, seq: int | None, step: int, *, pin: bool, reason: str | None) -> Any:
         from ..errors import CheckpointError
-        from ._async_buffers import materialize
+        from ._async_buffers import host_snapshot
         from ._shm import read_slot
-        from ._state import Snapshot
 
-        path = self.segments.get(slot)
         view = read_slot(path, seq=seq) if path is not None else None
         if view is None:
-            raise CheckpointError(f"snapshot seq {seq} of step {step} is not complete in shared memory ({path})")
+            raise CheckpointError(f"rank {rank}'s snapshot seq {seq} of step {step} is not complete in shared memory ({path})")
         try:
-            snap = Snapshot(local=materialize(view.skeleton, view.tensors), nbytes=view.nbytes)
-            info = self.ckpt.persist(snap, step, pin=pin, reason=reason)
+            snap = host_snapshot(view.skeleton, view.tensors, view.nbytes)
+            info = self.persisters[rank].persist(snap, step, pin=pin, reason=reason)
             del snap
         finally:
             view.close()
-        self.persisted.add(step)
         return info
 
-    def rescue(self) -> None:
-        """The trainer is gone: persist the newest complete snapshot unless it is already on disk."""
-        from ._shm import COMPLETE, read_header
-
-        best: tuple[int, int, int] | None = None
-        for slot, path in self.segments.items():
-            head = read_header(path)
-            if head is not None and head[0] == COMPLETE and (best is None or head[1] > best[1]):
-                best = (slot, head[1], head[2])
-        if best is None:
-            log.warning("saver: trainer %d is gone and no complete snapshot is in shared memory", self.trainer_pid)
-            return
-        slot, seq, step = best
-        if step in self.persisted or self.ckpt.validate(self.ckpt.root / f"step-{step:08d}").valid:
-            log.info("saver: trainer %d is gone; its newest snapshot (step %d) is already durable", self.trainer_pid, step)
-            return
-        log.warning("saver: trainer %d is gone; persisting its newest complete snapshot, step %d", self.trainer_pid, step)
-        try:
-            info = self.persist(slot, seq, step, pin=False, reason="trainer died: newest in-memory snapshot")
-            log.warning("saver: step %d is durable at %s", step, info.path)
-        except Exception as exc:
-            log.error("saver: could not persist step %d after the trainer died: %s", step, exc)
-
-    def unlink_all(self) -> None:
-        for path in self.segments.values():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+    # ------------------------------------------------------------------ the loop
+    def finished(self) -> bool:
+        if any(ch.state == "open" for ch in self.channels.values()) or self.pending:
+            return False
+        return len(self.channels) == len(self.ranks) or time.monotonic() > self.connect_deadline
 
     def run(self) -> int:
-        buf = b""
-        clean = False
-        while True:
-            ready, _, _ = select.select([0], [], [], _POLL)
-            if not ready:
-                if os.getppid() != self.trainer_pid:
-                    break
-                continue
-            chunk = os.read(0, 1 << 16)
-            if not chunk:
-                break
-            buf += chunk
-            stop = False
-            while b"\n" in buf and not stop:
-                line, buf = buf.split(b"\n", 1)
-                if line.strip():
-                    stop = not self.handle(json.loads(line))
-            if stop:
-                clean = True
-                break
         try:
-            if not clean:
-                self.rescue()
+            while not self.finished():
+                self.step()
         finally:
-            self.unlink_all()
+            try:
+                if any(ch.state == "gone" for ch in self.channels.values()) or len(self.channels) < len(self.ranks):
+                    self.rescue()
+                for q in self.queues.values():
+                    q.put(None)
+                for t in self.workers:
+                    t.join()
+            finally:
+                self.cleanup()
         return 0
+
+    def step(self) -> None:
+        open_channels = [ch for ch in [*self.channels.values(), *self.pending] if ch.state == "open"]
+        watch: list[Any] = [ch.fd for ch in open_channels]
+        if self.listener is not None and len(self.channels) < len(self.ranks):
+            watch.append(self.listener)
+        ready, _, _ = select.select(watch, [], [], _POLL)
+        for item in ready:
+            if item is self.listener:
+                self.accept()
+            else:
+                self.receive(next(c for c in open_channels if c.fd == item))
+        for ch in open_channels:
+            if ch.state == "open" and not ch.alive():
+                while ch.state == "open" and select.select([ch.fd], [], [], 0)[0]:
+                    self.receive(ch)  # what it said before it died still counts
+                ch.end("gone")
+        for ch in list(self.pending):
+            if ch.state != "open":
+                self.pending.remove(ch)
+                ch.close()
+
+    def receive(self, ch: Channel) -> None:
+        """Read what ``ch`` sent and run its complete commands; end it on EOF."""
+        chunk = ch.read()
+        if not chunk:
+            ch.end("gone")
+            return
+        ch.buf += chunk
+        while b"\n" in ch.buf and ch.state == "open":
+            line, ch.buf = ch.buf.split(b"\n", 1)
+            if line.strip():
+                self.handle(ch, json.loads(line))
+
+    def accept(self) -> None:
+        assert self.listener is not None
+        conn, _ = self.listener.accept()
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        uid = int.from_bytes(creds[4:8], sys.byteorder)
+        if uid != os.geteuid():
+            log.warning("saver: refusing a connection from uid %d", uid)
+            conn.close()
+            return
+        self.pending.append(Channel(fd=conn.fileno(), write=conn.sendall, sock=conn))
+
+    # ------------------------------------------------------------------ a trainer died
+    def rescue(self) -> None:
+        """Persist the newest step every rank of this node holds complete in shared memory (module doc)."""
+        from ._layout import step_name
+        from ._manifest import validate_dir
+        from ._shm import COMPLETE, read_header
+
+        gone = sorted(r for r in self.ranks if r not in self.channels or self.channels[r].state == "gone")
+        missing = [r for r in self.ranks if r not in self.channels]
+        if missing:
+            log.warning("saver: rank(s) %s never connected; nothing of theirs is in shared memory to persist", missing)
+            return
+        complete: dict[int, dict[int, tuple[Path, int]]] = {}
+        for rank in self.ranks:
+            mine: dict[int, tuple[Path, int]] = {}
+            for path in self.channels[rank].segments.values():
+                head = read_header(path)
+                if head is not None and head[0] == COMPLETE and (head[2] not in mine or mine[head[2]][1] < head[1]):
+                    mine[head[2]] = (path, head[1])
+            complete[rank] = mine
+        common = set.intersection(*(set(steps) for steps in complete.values()))
+        if not common:
+            log.warning("saver: rank(s) %s gone and no step is complete in shared memory on every rank of this node", gone)
+            return
+        step = max(common)
+        if validate_dir(self.root / step_name(step)).valid:
+            log.info("saver: rank(s) %s gone; the newest snapshot (step %d) is already durable", gone, step)
+            return
+        todo = [r for r in self.ranks if step not in self.channels[r].submitted]
+        if not todo:
+            log.warning("saver: rank(s) %s gone; the newest snapshot (step %d) is being persisted already", gone, step)
+            return
+        log.warning("saver: rank(s) %s gone; persisting the newest complete snapshot, step %d (rank(s) %s)", gone, step, todo)
+        for ch in self.channels.values():
+            ch.send(op="rescuing", step=step)
+        for rank in todo:
+            path, seq = complete[rank][step]
+            ch = self.channels[rank]
+            ch.submitted.add(step)
+            self.queues[rank].put((ch, path, seq, step, False, "trainer died: newest in-memory snapshot"))
+
+    def cleanup(self) -> None:
+        for ch in [*self.channels.values(), *self.pending]:
+            for path in ch.segments.values():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            ch.close()
+        if self.listener is not None:
+            self.listener.close()
+        if self.socket_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
+
+
+def _listen(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)  # the socket file is created 0600: only this user connects
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    sock.listen(64)
+    return sock
 
 
 def main(argv: list[str] | None = None) -> int:
     # The protocol owns the original stdout; anything printed later goes to stderr.
-    out = os.fdopen(os.dup(1), "w", buffering=1)
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
     ap = argparse.ArgumentParser(prog="python -m ftkit.checkpoint._saver")
     ap.add_argument("--config", required=True, help="CheckpointConfig fields as JSON")
-    ap.add_argument("--trainer-pid", type=int, required=True)
+    ap.add_argument("--trainer-pid", type=int, required=True, help="the leader's pid")
+    ap.add_argument("--ranks", default="0", help="this node's ranks, the leader's first")
+    ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--run-id", help="several ranks: the id the ranks agreed on")
+    ap.add_argument("--socket", type=Path, help="where the other ranks of this node connect")
+    ap.add_argument("--commit-timeout", type=float, default=600.0)
+    ap.add_argument("--connect-timeout", type=float, default=120.0)
     ap.add_argument("--events")
-    ap.add_argument("--rank", type=int, default=0)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="ftkit-saver[%(process)d] %(levelname)s %(message)s")
+    ranks = [int(r) for r in args.ranks.split(",")]
+    listener = _listen(args.socket) if args.socket is not None else None  # before the slow imports
 
     from ._config import CheckpointConfig
     from ._manager import Checkpointer
 
-    events = None
-    if args.events:
-        from ..events import EventLog
+    config = CheckpointConfig(**json.loads(args.config))
+    persisters: dict[int, Any] = {}
+    for rank in ranks:
+        events = None
+        if args.events:
+            from ..events import EventLog
 
-        events = EventLog(args.events, rank=args.rank)
-    checkpointer = Checkpointer(CheckpointConfig(**json.loads(args.config)), events=events, rank=args.rank)
-    saver = Saver(checkpointer, args.trainer_pid, out)
-    if not saver.reply(op="ready", pid=os.getpid()):
-        saver.trainer_pid = -1  # the trainer is already gone: fall through to the rescue path
+            events = EventLog(args.events, rank=rank)
+        ckpt = Checkpointer(config, events=events, rank=rank, world_size=args.world_size)
+        if args.world_size > 1:
+            from ._async_commit import RankCommit
+
+            persisters[rank] = RankCommit(ckpt, run_id=args.run_id, timeout=args.commit_timeout)
+        else:
+            persisters[rank] = ckpt
+    leader = Channel(fd=0, write=out.write, rank=ranks[0], pid=args.trainer_pid)
+    saver = Saver(persisters, ranks=ranks, leader=leader, root=config.root, listener=listener,
+                  socket_path=args.socket, connect_timeout=args.connect_timeout)
+    leader.send(op="ready", pid=os.getpid())  # if the leader is gone already, its pid check says so
     return saver.run()
 
 

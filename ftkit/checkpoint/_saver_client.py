@@ -1,13 +1,15 @@
-"""Trainer side of ``crash_safe``: snapshots in shared-memory slots, persisted by a saver process.
+"""Trainer side of ``crash_safe``: snapshots in shared-memory slots, persisted by the node's saver.
 
-One saver per trainer process (``python -m ftkit.checkpoint._saver``), started here with
-``subprocess.Popen``; its stdin is a pipe whose EOF tells it the trainer is gone, so it works
-under plain python, srun and torchrun without a custom launcher. A reader thread turns the
-saver's answers into ``done(seq, step, error, seconds)`` calls.
+One saver process per node (``python -m ftkit.checkpoint._saver``): the node's first rank (the
+leader) starts it with ``subprocess.Popen`` and talks over its stdin/stdout; the node's other
+ranks connect to its Unix socket. A channel's end (or its trainer's death) tells the saver the
+trainer is gone, so it works under plain python, srun and torchrun without a custom launcher. A
+reader thread turns the saver's answers into ``done(seq, step, error, seconds)`` calls.
 
-Clean close: ``close`` command, wait for the saver to exit, unlink every segment (the saver
-unlinks them too; both are idempotent). Trainer killed: the saver persists the newest
-COMPLETE slot, unlinks the segments and exits (see ``_saver``).
+Clean close: every rank says ``close``; the leader waits for the saver to exit (it waits for every
+rank of the node), then unlinks whatever segment of the node is left. Trainer killed: the saver
+persists the newest snapshot complete on every rank of the node, unlinks the segments and exits
+(see ``_saver``). Segments are named ``ftkit-snap-<leader pid>-<tag>-r<rank>-s<slot>-g<gen>``.
 """
 
 from __future__ import annotations
@@ -17,22 +19,55 @@ import json
 import logging
 import os
 import pickle
+import secrets
+import socket
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ._async_buffers import Copier, layout_of, wait_events
-from ._shm import Segment, new_token
+from ._shm import PREFIX, Segment
 
-__all__ = ["ShmBackend"]
+__all__ = ["NodePlan", "ShmBackend"]
 
 log = logging.getLogger(__name__)
+
+_SOCKET_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
+
+
+@dataclass(frozen=True, slots=True)
+class NodePlan:
+    """Who shares a saver: this node's ranks (leader first), the leader's pid and a run tag."""
+
+    ranks: tuple[int, ...]
+    leader_pid: int
+    tag: str
+    world_size: int = 1
+    run_id: str | None = None
+
+    @classmethod
+    def alone(cls) -> NodePlan:
+        return cls(ranks=(0,), leader_pid=os.getpid(), tag=secrets.token_hex(4))
+
+    @classmethod
+    def from_ranks(cls, rank: int, run_id: str, hosts: list[tuple[str, int]]) -> NodePlan:
+        """``hosts[r] = (node name, pid)`` of every rank (gathered): the ranks on this rank's node."""
+        mine = hosts[rank][0]
+        ranks = tuple(r for r, (host, _) in enumerate(hosts) if host == mine)
+        return cls(ranks=ranks, leader_pid=hosts[ranks[0]][1], tag=run_id[:12], world_size=len(hosts), run_id=run_id)
+
+    def prefix(self) -> str:
+        return f"{PREFIX}{self.leader_pid}-{self.tag}-"
+
+    def socket_path(self, directory: Path) -> Path:
+        return Path(directory) / f"ftkit-saver-{self.leader_pid}-{self.tag}.sock"
 
 
 def _saver_env() -> dict[str, str]:
@@ -46,32 +81,83 @@ class ShmBackend:
     """``slots`` shared-memory segments (created lazily, reused while the layout holds) and the saver."""
 
     def __init__(self, config: Any, async_config: Any, slots: int, done: Any, copier: Copier,
-                 *, events: Any = None, rank: int = 0) -> None:
+                 *, events: Any = None, rank: int = 0, node: NodePlan | None = None) -> None:
         self._done = done
         self._copier = copier
         self._dir = Path(async_config.shm_dir)
         self._timeout = float(async_config.saver_timeout)
-        self._token = new_token()
+        self.node = node if node is not None else NodePlan.alone()
+        self.rank = rank
+        self.leader = rank == self.node.ranks[0]
+        self._token = f"{self.node.leader_pid}-{self.node.tag}-r{rank}"
         self._generation = 0
         self.segments: list[Segment | None] = [None] * slots
         self._lock = threading.Lock()
         self._ready = threading.Event()
+        self._said_closed = threading.Event()
         self._closing = False
+        self._rescuing = False
         self._started = time.monotonic()
         self._lost: str | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        sock_path = self.node.socket_path(self._dir)
+        if len(self.node.ranks) > 1 and len(str(sock_path)) > _SOCKET_MAX:
+            raise ConfigError(
+                f"checkpoint.async.shm_dir: the saver's socket path {sock_path} is longer than "
+                f"{_SOCKET_MAX} bytes; use a shorter shm_dir"
+            )
+        if self.leader:
+            self._to_saver, self._from_saver = self._start(config, async_config, events, sock_path)
+        else:
+            self._to_saver, self._from_saver = self._connect(sock_path)
+        self._reader = threading.Thread(target=self._read, name="ftkit-saver-reader", daemon=True)
+        self._reader.start()
+
+    def _start(self, config: Any, async_config: Any, events: Any, sock_path: Path) -> tuple[IO[bytes], IO[bytes]]:
         fields = {"root": str(config.root), "keep_last": config.keep_last, "keep_every": config.keep_every,
                   "fsync": config.fsync, "verify_on_load": config.verify_on_load}
+        node = self.node
         cmd = [sys.executable, "-m", "ftkit.checkpoint._saver", "--config", json.dumps(fields),
-               "--trainer-pid", str(os.getpid()), "--rank", str(rank)]
+               "--trainer-pid", str(os.getpid()), "--ranks", ",".join(map(str, node.ranks)),
+               "--world-size", str(node.world_size), "--commit-timeout", str(async_config.commit_timeout),
+               "--connect-timeout", str(self._timeout)]
+        if node.run_id is not None:
+            cmd += ["--run-id", node.run_id]
+        if len(node.ranks) > 1:
+            cmd += ["--socket", str(sock_path)]
         path = getattr(events, "path", None)
         if path is not None:
             cmd += ["--events", str(path)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_saver_env())
         assert self.proc.stdin is not None and self.proc.stdout is not None  # both are pipes
-        self._to_saver: IO[bytes] = self.proc.stdin
-        self._from_saver: IO[bytes] = self.proc.stdout
-        self._reader = threading.Thread(target=self._read, name="ftkit-saver-reader", daemon=True)
-        self._reader.start()
+        return self.proc.stdin, self.proc.stdout
+
+    def _connect(self, path: Path) -> tuple[IO[bytes], IO[bytes]]:
+        """Another rank of the node: connect to the saver the leader started (it may still be starting)."""
+        deadline = time.monotonic() + self._timeout
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(str(path))
+                break
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                sock.close()
+                if time.monotonic() > deadline:
+                    raise CheckpointError(
+                        f"rank {self.rank}: the node's checkpoint saver (started by rank {self.node.ranks[0]}, "
+                        f"pid {self.node.leader_pid}) did not open {path} within {self._timeout:.0f}s "
+                        f"(checkpoint.async.saver_timeout): {exc}"
+                    ) from exc
+                time.sleep(0.05)
+        self._sock = sock
+        sock.sendall((json.dumps({"op": "hello", "rank": self.rank, "pid": os.getpid()}) + "\n").encode())
+        writer: Any = sock.makefile("wb", buffering=0)
+        return writer, sock.makefile("rb")
+
+    @property
+    def saver_pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
 
     # -------------------------------------------------------------- trainer -> saver
     def _send(self, **msg: Any) -> None:
@@ -81,8 +167,9 @@ class ShmBackend:
                 self._to_saver.write(line)
                 self._to_saver.flush()
             except (BrokenPipeError, OSError, ValueError) as exc:
+                who = f"pid {self.proc.pid}" if self.proc is not None else f"started by rank {self.node.ranks[0]}"
                 raise CheckpointError(
-                    f"the checkpoint saver process (pid {self.proc.pid}) is gone ({self._lost or exc}); "
+                    f"the checkpoint saver process ({who}) is gone ({self._lost or exc}); "
                     "snapshots cannot be persisted"
                 ) from exc
 
@@ -123,42 +210,83 @@ class ShmBackend:
 
     # -------------------------------------------------------------- saver -> trainer
     def _read(self) -> None:
-        for raw in self._from_saver:
-            try:
-                msg = json.loads(raw)
-            except json.JSONDecodeError:
-                log.warning("checkpoint saver said something unexpected: %r", raw[:200])
-                continue
-            if msg.get("op") == "ready":
-                self._ready.set()
-            elif msg.get("op") == "done":
-                error = None if msg.get("ok") else str(msg.get("error") or "unknown error")
-                self._done(int(msg["seq"]), int(msg["step"]), error, float(msg.get("seconds") or 0.0))
-        code = self.proc.wait()
+        with contextlib.suppress(OSError, ValueError):
+            for raw in self._from_saver:
+                try:
+                    msg = json.loads(raw)
+                except json.JSONDecodeError:
+                    log.warning("checkpoint saver said something unexpected: %r", raw[:200])
+                    continue
+                op = msg.get("op")
+                if op == "ready":
+                    self._ready.set()
+                elif op == "done":
+                    error = None if msg.get("ok") else str(msg.get("error") or "unknown error")
+                    self._done(int(msg["seq"]), int(msg["step"]), error, float(msg.get("seconds") or 0.0))
+                elif op == "closed":
+                    self._said_closed.set()
+                elif op == "rescuing":
+                    self._rescuing = True
+                    log.warning("checkpoint saver: a rank of this node died; persisting step %s", msg.get("step"))
+        if self.proc is not None:
+            what = f"the checkpoint saver process exited unexpectedly (exit code {self.proc.wait()})"
+        else:
+            what = f"the node's checkpoint saver process (started by rank {self.node.ranks[0]}) closed its connection"
         if not self._closing:
-            self._lost = f"the checkpoint saver process exited unexpectedly (exit code {code})"
+            self._lost = what
             log.error("%s; snapshots are no longer persisted", self._lost)
             self._done(-1, -1, self._lost, 0.0)  # fails whatever is in flight
 
     # -------------------------------------------------------------- shutdown
     def close(self) -> None:
+        """Say close; the leader then waits for the saver (which waits for every rank of the node)."""
         self._closing = True
         try:
             with contextlib.suppress(CheckpointError):
                 self._send(op="close")
+            if self.proc is None:
+                # another rank: the saver keeps our segments until it exits (a rank that dies
+                # after we closed still gets its rescue, with our snapshots)
+                self._said_closed.wait(timeout=self._timeout)
             with contextlib.suppress(OSError):
                 self._to_saver.close()
-            try:
-                self.proc.wait(timeout=self._timeout)
-            except subprocess.TimeoutExpired:
-                log.error("checkpoint saver pid %d did not exit within %.0fs; killing it", self.proc.pid, self._timeout)
-                self.proc.kill()
-                self.proc.wait()
-            self._reader.join()
+            if self.proc is not None:
+                self._wait_saver(self.proc)
+            elif self._sock is not None:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
+            self._reader.join(timeout=self._timeout)
             with contextlib.suppress(OSError):
                 self._from_saver.close()
+            if self._sock is not None:
+                self._sock.close()
         finally:
+            # the leader (once the saver is gone) or a rank whose saver is lost unlinks; another
+            # rank only unmaps: the saver unlinks its segments when the whole node is done
+            unlink = self.proc is not None or self._lost is not None or not self._said_closed.is_set()
             for seg in self.segments:
                 if seg is not None:
-                    seg.close()
+                    seg.close(unlink=unlink)
             self.segments = [None] * len(self.segments)
+            if self.proc is not None:
+                for leftover in self._dir.glob(self.node.prefix() + "*"):
+                    with contextlib.suppress(FileNotFoundError):
+                        leftover.unlink()
+                with contextlib.suppress(FileNotFoundError):
+                    self.node.socket_path(self._dir).unlink()
+
+    def _wait_saver(self, proc: subprocess.Popen[bytes]) -> None:
+        """Wait for the saver to exit: ``saver_timeout`` once idle, as long as it takes while it rescues."""
+        deadline = time.monotonic() + self._timeout
+        while True:
+            try:
+                proc.wait(timeout=1.0)
+                return
+            except subprocess.TimeoutExpired:
+                if time.monotonic() > deadline and not self._rescuing:
+                    break
+        others = [r for r in self.node.ranks if r != self.rank]
+        log.error("checkpoint saver pid %d did not exit within %.0fs%s; killing it", proc.pid, self._timeout,
+                  f" (waiting for rank(s) {others} of this node to close?)" if others else "")
+        proc.kill()
+        proc.wait()

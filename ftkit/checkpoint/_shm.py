@@ -1,6 +1,6 @@
 """Snapshots in shared memory: one segment file per slot under ``/dev/shm``, readable by the saver.
 
-Segment layout (``ftkit-snap-<trainer pid>-<token>-s<slot>-g<generation>``, mode 0600)::
+Segment layout (``ftkit-snap-<token>-s<slot>-g<generation>``, mode 0600; see ``_saver_client``)::
 
     [0, 4096)                header: magic, version, state, seq, step, skeleton offset/length, data offset
     [4096, data_off)         skeleton: pickled {"skeleton", "tensors": [(offset, dtype, shape)], "nbytes"}
@@ -23,7 +23,6 @@ import logging
 import mmap
 import os
 import pickle
-import secrets
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,10 +48,6 @@ _ALIGN = 64
 
 def _round(n: int, to: int) -> int:
     return (n + to - 1) // to * to
-
-
-def new_token() -> str:
-    return f"{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -126,8 +121,8 @@ class Segment:
         _HEADER.pack_into(self._head, 0, MAGIC, VERSION, WRITING, seq, step, _PAGE, len(blob), self.data_off)
         struct.pack_into("<I", self._head, _STATE_AT, COMPLETE)
 
-    def close(self) -> None:
-        """Unmap and unlink (idempotent)."""
+    def close(self, *, unlink: bool = True) -> None:
+        """Unmap and (unless told not to: the saver unlinks it) unlink; idempotent."""
         if self._registered:
             with contextlib.suppress(Exception):
                 torch.cuda.cudart().cudaHostUnregister(self._base.data_ptr())
@@ -136,7 +131,8 @@ class Segment:
         self._base = None  # type: ignore[assignment]  # closed: the mapping is gone
         if not self._head.closed:
             self._head.close()
-        self._unlink()
+        if unlink:
+            self._unlink()
 
     def _unlink(self) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -1,0 +1,222 @@
+"""crash_safe on two gloo ranks of one node: one saver process for the node, and a real kill -9 of
+the trainers still yields a valid two-rank checkpoint of the snapshotted step.
+
+``python3 tests/test_shm_saver_multirank.py snap|resume --root R --out F [--mode M --mb N]`` is one
+rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment). ``snap`` trains the small
+DDP model of ``ckpt_helpers`` for 3 steps with a ``ballast`` tensor of N MB per rank (filled with
+``100 * step + rank``), then, by MODE: ``save``: ``save(3)`` returned (the saver is still writing);
+``memory``: memory snapshots of steps 1..3 only, never asked to persist. It writes its report
+(saver pid, model at step 3) and waits to be killed. ``resume`` loads with the synchronous
+Checkpointer and reports the step, the ballast and whether the model matches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORLD = 2
+SHM = Path("/dev/shm")
+
+
+def _launch(*args: str) -> list[subprocess.Popen]:
+    from tests.ckpt_helpers import env, free_port
+
+    port = str(free_port())
+    return [
+        subprocess.Popen(
+            [sys.executable, __file__, *args],
+            env=env(RANK=str(r), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(WORLD)
+    ]
+
+
+def _report(out: Path, rank: int) -> dict:
+    return json.loads((out.parent / f"{out.name}.rank{rank}.json").read_text())
+
+
+def _kill(proc: subprocess.Popen) -> str:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == -signal.SIGKILL, f"exited {proc.returncode}:\n{out}"
+    return out
+
+
+def _node_leftovers(leader_pid: int) -> list[str]:
+    return sorted(p.name for p in SHM.iterdir() if p.name.startswith((f"ftkit-snap-{leader_pid}-", f"ftkit-saver-{leader_pid}-")))
+
+
+def _crash(tmp_path: Path, mode: str, mb: int, *, stagger: bool = False) -> tuple[Path, dict]:
+    """Run ``snap``; once both ranks reported, kill -9 both (rank 1 first, then, if ``stagger``,
+    rank 0 only after checking the saver still waits for it). Returns (root, rank 0's report)."""
+    from tests.conftest import wait_for
+    from tests.test_shm_saver import _alive, _wait_gone
+
+    root, out = tmp_path / "ck", tmp_path / "snap"
+    procs = _launch("snap", "--mode", mode, "--mb", str(mb), "--root", str(root), "--out", str(out))
+    try:
+        wait_for(
+            lambda: all((tmp_path / f"snap.rank{r}.json").exists() for r in range(WORLD))
+            or any(p.poll() is not None for p in procs),
+            timeout=90,
+            what="both ranks to report their snapshot",
+        )
+        assert all(p.poll() is None for p in procs), [p.communicate()[0] for p in procs if p.poll() is not None]
+        reports = [_report(out, r) for r in range(WORLD)]
+        saver = reports[0]["saver"]
+        assert reports[1]["saver"] is None and reports[0]["saver_children"] == 1 and reports[1]["saver_children"] == 0
+        _kill(procs[1])
+        if stagger:
+            time.sleep(2.0)
+            assert _alive(saver), "the saver exited while rank 0 was still alive"
+            assert not (root / "step-00000003" / "manifest.json").exists() or mode == "save"
+        _kill(procs[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    _wait_gone(saver)
+    assert _node_leftovers(procs[0].pid) == []
+    return root, reports[0]
+
+
+def _check_resumed(tmp_path: Path, root: Path, step: int, mb: int) -> None:
+    from ftkit.checkpoint import validate_dir
+
+    info = validate_dir(root / f"step-{step:08d}", checksums=True)
+    assert info.valid and info.world_size == WORLD and info.kind == "dcp", info.reason
+    assert {"rank-00000.pt", "rank-00001.pt", "dcp/.metadata"} <= set(info.files)
+    procs = _launch("resume", "--root", str(root), "--out", str(tmp_path / "resume"), "--mb", str(mb))
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    for r in range(WORLD):
+        rep = _report(tmp_path / "resume", r)
+        assert rep["step"] == step and rep["ballast"] == [100 * step + r] and rep["model_equal"], rep
+
+
+def test_kill9_of_both_ranks_right_after_save_commits_the_two_rank_checkpoint(tmp_path):
+    root, report = _crash(tmp_path, "save", 256)
+    assert not report["valid_at_report"], "the save finished before the kill; make the ballast bigger"
+    _check_resumed(tmp_path, root, 3, 256)
+
+
+def test_kill9_with_memory_snapshots_only_waits_for_every_rank_then_persists(tmp_path):
+    root, _ = _crash(tmp_path, "memory", 8, stagger=True)
+    assert [p.name for p in root.glob("step-*")] == ["step-00000003"]
+    _check_resumed(tmp_path, root, 3, 8)
+
+
+# ---------------------------------------------------------------- the rank programs
+def _setup():
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    return rank, world
+
+
+def _saver_children() -> int:
+    me = str(os.getpid())
+    count = 0
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[-1].split()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if stat[1] == me and b"ftkit.checkpoint._saver" in cmd:
+            count += 1
+    return count
+
+
+def snap_main(a) -> None:
+    import torch
+
+    from ftkit.checkpoint import CheckpointConfig, validate_dir
+    from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
+    from tests.ckpt_helpers import build_state
+    from tests.test_async_multirank import _train_step
+
+    rank, world = _setup()
+    state, loader = build_state(rank=rank, world_size=world)
+    state["ballast"] = torch.zeros(a.mb << 18)
+    mgr = AsyncCheckpointer(
+        CheckpointConfig(root=a.root), rank=rank, world_size=world,
+        async_config=AsyncConfig(memory_every=1, crash_safe=True, commit_timeout=60),
+    )
+    batches = iter(loader)
+    for step in (1, 2, 3):
+        _train_step(state, next(batches))
+        state["ballast"].fill_(100 * step + rank)
+        if a.mode == "memory" or step < 3:
+            mgr.on_step(step, state)
+        else:
+            mgr.save(step, state)
+    torch.save(state["model"].module.state_dict(), f"{a.out}.rank{rank}.model")
+    report = {
+        "saver": mgr._backend.saver_pid,
+        "saver_children": _saver_children(),
+        "valid_at_report": validate_dir(Path(a.root) / "step-00000003").valid,
+    }
+    Path(f"{a.out}.rank{rank}.json").write_text(json.dumps(report))
+    time.sleep(300)
+
+
+def resume_main(a) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from ftkit.checkpoint import CheckpointConfig, make_manager
+    from tests.ckpt_helpers import build_state
+
+    rank, world = _setup()
+    state, _ = build_state(rank=rank, world_size=world)
+    with torch.no_grad():
+        for p in state["model"].parameters():
+            p.zero_()  # the checkpoint must bring the step-3 weights back
+    state["ballast"] = torch.zeros(a.mb << 18)
+    mgr = make_manager(CheckpointConfig(root=a.root), rank=rank, world_size=world)
+    step = mgr.load(state)
+    mgr.close()
+    want = torch.load(Path(a.root).parent / f"snap.rank{rank}.model", weights_only=True)
+    got = state["model"].module.state_dict()
+    report = {
+        "step": step,
+        "ballast": sorted({float(x) for x in state["ballast"].unique()}),
+        "model_equal": all(torch.equal(want[k], got[k]) for k in want),
+    }
+    Path(f"{a.out}.rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    ap = argparse.ArgumentParser()
+    ap.add_argument("command", choices=["snap", "resume"])
+    ap.add_argument("--mode", choices=["save", "memory"], default="save")
+    ap.add_argument("--mb", type=int, default=8)
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    {"snap": snap_main, "resume": resume_main}[args.command](args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # see test_async_multirank: gloo teardown at interpreter exit can abort
