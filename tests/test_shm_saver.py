@@ -160,6 +160,45 @@ def test_saver_killed_is_reported_not_silent(tmp_path):
     assert _segments_of(os.getpid()) == []
 
 
+def test_segment_lock_a_read_waits_for_a_live_writer_and_a_write_for_a_read(tmp_path):
+    import threading
+
+    import torch
+
+    from ftkit.checkpoint._async_buffers import layout_of
+    from ftkit.checkpoint._shm import Segment, read_slot
+
+    src = torch.arange(1000.0)
+    seg = Segment(tmp_path, "t", 0, 1, layout_of([("w", src)]), 0)
+    try:
+        seg.begin()
+        seg.buffers[0].copy_(src)
+        seg.commit(1, 7, {"w": None}, src.numel() * 4)  # COMPLETE, but the write lock is still held
+        got: list = []
+        reader = threading.Thread(target=lambda: got.append(read_slot(seg.path, seq=1, writer_alive=lambda: True)))
+        reader.start()
+        reader.join(0.3)
+        assert reader.is_alive(), "read_slot did not wait for the live writer's lock"
+        seg.end()
+        reader.join(10)
+        view = got[0]
+        assert view is not None and view.step == 7 and torch.equal(view.tensors[0], src)
+        writer = threading.Thread(target=seg.begin)  # refilling the slot waits for the read
+        writer.start()
+        writer.join(0.3)
+        assert writer.is_alive(), "begin() did not wait for the saver's read lock"
+        view.close()
+        writer.join(10)
+        assert not writer.is_alive()
+        # the writer is "dead" mid-write (lock held, state WRITING): skipped at once, never read torn
+        began = time.monotonic()
+        assert read_slot(seg.path, seq=1, writer_alive=lambda: False) is None
+        assert time.monotonic() - began < 1
+        seg.end()
+    finally:
+        seg.close()
+
+
 def trainer(mode: str, root: str, mb: int) -> None:
     import torch
 

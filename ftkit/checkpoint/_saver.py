@@ -21,14 +21,17 @@ protocol of a save on a trainer thread. The ranks of one node thus share one pro
 commit, waiting for the other parts, never blocks them.
 
 A trainer is *gone* when its channel ends without ``close``, or its pid is no longer alive (a
-forked child, e.g. a DataLoader worker, may hold the channel open). Once every rank of the node
-has closed or is gone (a rank that never connected within ``--connect-timeout`` counts as gone):
+forked child, e.g. a DataLoader worker, may hold the channel open).
 
-1. if any trainer is gone, the *rescue*: the newest step of which every rank of this node holds a
-   COMPLETE snapshot is persisted for each rank that has not asked for it already (unless that
-   step is already a valid checkpoint);
-2. the workers finish what they were given (a persist in flight when its trainer died completes);
-3. every segment and the socket are unlinked, and the saver exits 0.
+* As soon as one trainer of the node is gone, the *rescue*: the newest step of which every rank
+  of this node holds a COMPLETE snapshot is persisted for each rank that has not asked for it
+  already (unless that step is already a valid checkpoint). It starts at once, not when the last
+  rank is gone: under SLURM the end of a step's last task gets every process of the step killed.
+  The snapshots of ranks still alive are read under the segment's lock (``_shm``).
+* Once every rank has closed or is gone (a rank that never connected within
+  ``--connect-timeout`` counts as gone), the workers finish what they were given (a persist in
+  flight when its trainer died completes), every segment and the socket are unlinked, and the
+  saver exits 0.
 
 With several nodes each node's saver rescues its own ranks' parts; rank 0's saver commits the
 step only if every node rescued the same one (the common case: all ranks snapshot the same
@@ -132,6 +135,7 @@ class Saver:
         self.channels: dict[int, Channel] = {ranks[0]: leader}
         self.pending: list[Channel] = []  # accepted, no hello yet
         self.connect_deadline = time.monotonic() + connect_timeout
+        self.rescued = False
         self.queues: dict[int, queue.Queue[tuple | None]] = {}
         self.workers: list[threading.Thread] = []
         for rank in ranks:
@@ -172,7 +176,7 @@ class Saver:
             ch, path, seq, step, pin, reason = job
             started = time.monotonic()
             try:
-                info = self.persist(rank, path, seq, step, pin=pin, reason=reason)
+                info = self.persist(rank, path, seq, step, pin=pin, reason=reason, writer_alive=ch.alive)
             except BaseException as exc:
                 log.warning("saver: persisting rank %d's step %s failed: %s", rank, step, exc)
                 ch.send(op="done", seq=seq, step=step, ok=False, error=str(exc), error_type=type(exc).__name__)
@@ -180,12 +184,13 @@ class Saver:
             ch.send(op="done", seq=seq, step=step, ok=True, size=info.size, path=str(info.path),
                     seconds=round(time.monotonic() - started, 4))
 
-    def persist(self, rank: int, path: Path | None, seq: int | None, step: int, *, pin: bool, reason: str | None) -> Any:
+    def persist(self, rank: int, path: Path | None, seq: int | None, step: int, *, pin: bool, reason: str | None,
+                writer_alive: Any = lambda: False) -> Any:
         from ..errors import CheckpointError
         from ._async_buffers import host_snapshot
         from ._shm import read_slot
 
-        view = read_slot(path, seq=seq) if path is not None else None
+        view = read_slot(path, seq=seq, writer_alive=writer_alive) if path is not None else None
         if view is None:
             raise CheckpointError(f"rank {rank}'s snapshot seq {seq} of step {step} is not complete in shared memory ({path})")
         try:
@@ -206,9 +211,12 @@ class Saver:
         try:
             while not self.finished():
                 self.step()
+                if not self.rescued and any(ch.state == "gone" for ch in self.channels.values()):
+                    self.rescue()  # at once: the survivors' step may end (and kill us) soon
         finally:
             try:
-                if any(ch.state == "gone" for ch in self.channels.values()) or len(self.channels) < len(self.ranks):
+                if not self.rescued and (any(ch.state == "gone" for ch in self.channels.values())
+                                         or len(self.channels) < len(self.ranks)):
                     self.rescue()
                 for q in self.queues.values():
                     q.put(None)
@@ -265,6 +273,7 @@ class Saver:
     # ------------------------------------------------------------------ a trainer died
     def rescue(self) -> None:
         """Persist the newest step every rank of this node holds complete in shared memory (module doc)."""
+        self.rescued = True
         from ._layout import step_name
         from ._manifest import validate_dir
         from ._shm import COMPLETE, read_header

@@ -190,9 +190,12 @@ class ShmBackend:
                 seg.close()
             self.segments[slot] = seg = new
         seg.begin()
-        events, nbytes = self._copier.copy(seg.buffers, [t for _, t in tensors])
-        wait_events(events)  # COMPLETE must never precede the device-to-host copy
-        seg.commit(seq, step, skeleton, nbytes)
+        try:
+            events, nbytes = self._copier.copy(seg.buffers, [t for _, t in tensors])
+            wait_events(events)  # COMPLETE must never precede the device-to-host copy
+            seg.commit(seq, step, skeleton, nbytes)
+        finally:
+            seg.end()
 
     def submit(self, slot: int, seq: int, step: int, pin: bool, reason: str | None) -> None:
         self._send(op="persist", slot=slot, seq=seq, step=step, pin=pin, reason=reason)

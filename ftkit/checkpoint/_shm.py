@@ -12,6 +12,14 @@ slot, copies the tensors, writes the skeleton and the header fields, and only th
 killed mid-copy leaves a slot that is ignored, never a half-copied snapshot. Two or more slots
 (double buffering) keep the previous complete snapshot intact while the next one is written.
 
+Lock rule (the saver reads while a trainer is alive): the trainer holds an exclusive ``flock`` on
+the segment from ``begin`` to ``end``; the saver holds a shared one while it reads a slot
+(``read_slot`` to ``SlotView.close``). A trainer never refills a slot it asked the saver to
+persist, so the two only meet when the saver rescues a live rank's snapshot after another rank of
+its node died: the rank's next refill of that slot then waits for the rescue's read. A lock held
+by the file description of a dead trainer's forked child (a DataLoader worker) is not waited for:
+``read_slot`` gives up waiting once the trainer is gone, and the header still says WRITING.
+
 The space is reserved with ``posix_fallocate`` when the segment is created, so a full
 ``/dev/shm`` is an ENOSPC error then, not a SIGBUS in the middle of a copy.
 """
@@ -19,11 +27,14 @@ The space is reserved with ``posix_fallocate`` when the segment is created, so a
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
 import pickle
 import struct
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,7 +102,7 @@ class Segment:
                 f"cannot reserve {self.size} bytes of shared memory in {directory} for a snapshot: "
                 f"{exc.strerror or exc}; free space there or set checkpoint.async.shm_dir"
             ) from exc
-        os.close(fd)
+        self._fd = fd  # kept open for the write lock
         _HEADER.pack_into(self._head, 0, MAGIC, VERSION, WRITING, -1, -1, _PAGE, 0, self.data_off)
         base = torch.from_file(str(self.path), shared=True, size=self.size, dtype=torch.uint8)
         self.buffers = [
@@ -109,8 +120,14 @@ class Segment:
         return layout == self.layout and skeleton_len <= self.skeleton_capacity
 
     def begin(self) -> None:
-        """Mark the slot as being written: from here until ``commit`` the saver ignores it."""
+        """Lock the slot and mark it as being written: until ``commit`` the saver ignores it.
+        Always followed by ``end``, which unlocks."""
+        fcntl.flock(self._fd, fcntl.LOCK_EX)  # waits only for a rescue reading this slot
         struct.pack_into("<I", self._head, _STATE_AT, WRITING)
+
+    def end(self) -> None:
+        with contextlib.suppress(OSError):
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def commit(self, seq: int, step: int, skeleton: Any, nbytes: int) -> None:
         """Write the skeleton and header, then flip the state to COMPLETE (last store)."""
@@ -131,6 +148,9 @@ class Segment:
         self._base = None  # type: ignore[assignment]  # closed: the mapping is gone
         if not self._head.closed:
             self._head.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         if unlink:
             self._unlink()
 
@@ -161,12 +181,16 @@ class SlotView:
     tensors: list[torch.Tensor]
     nbytes: int
     _mm: Any
+    _fd: int = -1
 
     def close(self) -> None:
         self.tensors = []
         self.skeleton = None
         with contextlib.suppress(BufferError):  # a tensor still referenced: the GC unmaps it later
             self._mm.close()
+        if self._fd >= 0:
+            os.close(self._fd)  # releases the read lock
+            self._fd = -1
 
 
 def read_header(path: str | os.PathLike[str]) -> tuple[int, int, int] | None:
@@ -184,8 +208,11 @@ def read_header(path: str | os.PathLike[str]) -> tuple[int, int, int] | None:
     return state, seq, step
 
 
-def read_slot(path: str | os.PathLike[str], *, seq: int | None = None) -> SlotView | None:
-    """Map a COMPLETE slot (with ``seq`` if given); None if it is absent, being written or another seq."""
+def read_slot(
+    path: str | os.PathLike[str], *, seq: int | None = None, writer_alive: Callable[[], bool] = lambda: False
+) -> SlotView | None:
+    """Map a COMPLETE slot (with ``seq`` if given) under a read lock; None if it is absent, being
+    written or another seq. While ``writer_alive()``, waits for a write in progress to end."""
     try:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:
@@ -194,12 +221,22 @@ def read_slot(path: str | os.PathLike[str], *, seq: int | None = None) -> SlotVi
         st = os.fstat(fd)
         if st.st_uid != os.geteuid():
             raise CheckpointError(f"{path} belongs to uid {st.st_uid}, not to this user; not reading it")
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not writer_alive():
+                    break  # held by a dead trainer's child: the header tells whether it is complete
+                time.sleep(0.01)
         mm = mmap.mmap(fd, st.st_size)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
     magic, version, state, got_seq, step, skel_off, skel_len, _ = _HEADER.unpack_from(mm, 0)
     if magic != MAGIC or version != VERSION or state != COMPLETE or (seq is not None and got_seq != seq):
         mm.close()
+        os.close(fd)
         return None
     meta = pickle.loads(mm[skel_off : skel_off + skel_len])
     tensors = []
@@ -210,4 +247,4 @@ def read_slot(path: str | os.PathLike[str], *, seq: int | None = None) -> SlotVi
             tensors.append(torch.empty(shape, dtype=dtype))
         else:
             tensors.append(torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off).view(dtype).view(shape))
-    return SlotView(Path(path), got_seq, step, meta["skeleton"], tensors, meta["nbytes"], mm)
+    return SlotView(Path(path), got_seq, step, meta["skeleton"], tensors, meta["nbytes"], mm, fd)
