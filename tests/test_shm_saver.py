@@ -160,6 +160,38 @@ def test_saver_killed_is_reported_not_silent(tmp_path):
     assert _segments_of(os.getpid()) == []
 
 
+def test_ftkit_requeue_waits_for_the_saver_rescuing_a_dead_trainer(tmp_path):
+    from ftkit.checkpoint import validate_dir
+    from ftkit.events import read_events
+    from tests.ckpt_helpers import env
+
+    jobdir = tmp_path / "job"
+    root = jobdir / "checkpoints"
+    proc = subprocess.Popen([sys.executable, __file__, "save", str(root), "400"], env=env(), cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(proc.stdout.readline())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    step = root / f"step-{info['step']:08d}"
+    rescued_before = validate_dir(step).valid
+    clean = {k: v for k, v in env().items() if not k.startswith("SLURM_")}
+    out = subprocess.run([sys.executable, "-m", "ftkit", "requeue", str(jobdir), "--exit-code", "137", "--dry-run"],
+                         env=clean, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode in (0, 137), out.stderr
+    assert not rescued_before, "the rescue finished before ftkit requeue ran; make the state bigger"
+    assert validate_dir(step, checksums=True).valid  # durable by the time requeue decided
+    assert not _alive(info["saver"]) and _segments_of(proc.pid) == []
+    waited = [e for e in read_events(jobdir / "events.jsonl") if e["event"] == "savers-waited"]
+    assert [e["pids"] for e in waited] == [[info["saver"]]] and waited[0]["still_running"] == [], waited
+    assert f"after progress to step {info['step']}" in out.stdout, out.stdout  # the rescue counted
+
+
 def test_segment_lock_a_read_waits_for_a_live_writer_and_a_write_for_a_read(tmp_path):
     import threading
 

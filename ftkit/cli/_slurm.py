@@ -48,6 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="when scontrol requeue fails: resubmit the script (default) or give up")
     p.add_argument("--script", type=Path, metavar="PATH",
                    help="batch script to resubmit (default: Command= of scontrol show job)")
+    p.add_argument("--saver-wait", type=float, default=600.0, metavar="SECONDS",
+                   help="first wait this long for the job's crash-safe checkpoint savers on this node to "
+                        "finish (default 600)")
     p.add_argument("--dry-run", action="store_true", help="decide and print, change nothing")
     p.set_defaults(func=_requeue)
 
@@ -116,6 +119,6 @@ def _requeue(args: argparse.Namespace) -> int:
         fallback=args.fallback,
     )
     outcome = finish_run(args.jobdir, exit_code=args.exit_code, policy=policy, dry_run=args.dry_run,
-                         script=args.script)
+                         script=args.script, saver_wait=args.saver_wait)
     print(outcome.message, flush=True)
     return outcome.exit_code

@@ -504,14 +504,26 @@ def finish_run(
     sbatch: Callable[..., str] | None = None,
     checkpoints_lookup: Callable[[Path], int | None] = newest_checkpoint_step,
     clock: Callable[[], float] = time.time,
+    saver_wait: float = 600.0,
 ) -> RunOutcome:
-    """Decide, record in ``runs.json``, perform, record the outcome in the events log.
+    """Wait for the job's checkpoint savers, decide, record in ``runs.json``, perform, record
+    the outcome in the events log.
+
+    A ``crash_safe`` saver still persisting a dead trainer's snapshot is waited for (up to
+    ``saver_wait`` seconds, see :mod:`ftkit.slurm.savers`): its checkpoint counts as progress,
+    and the batch step, whose processes SLURM kills when the script ends, must outlive it.
 
     ``runs.json`` is written before ``scontrol requeue``, which ends this batch script.
     Request files left from the run are removed so the next run does not act on them.
     ``dry_run`` decides and reports only.
     """
     env = env if env is not None else SlurmEnv.from_env()
+    from .savers import wait_for_savers
+
+    waited, running, seconds = wait_for_savers(jobdir, saver_wait)
+    if waited:
+        EventLog(JobDir.of(jobdir).events).emit("savers-waited", pids=waited, still_running=running,
+                                                seconds=round(seconds, 3))
     decision = decide(jobdir, exit_code=exit_code, env=env, policy=policy, runner=runner,
                       checkpoints_lookup=checkpoints_lookup, clock=clock)
     target = env.requeue_target or "(no job)"
