@@ -122,6 +122,40 @@ def test_kill9_of_one_rank_rescues_memory_snapshots_at_once_then_waits_for_the_o
     _check_resumed(tmp_path, root, 3, 8)
 
 
+def test_under_torchrun_a_worker_killed_9_still_gets_its_snapshot_committed(tmp_path):
+    """No custom launcher: torchrun starts the ranks, ftkit starts and stops the node's saver."""
+    from tests.ckpt_helpers import env, free_port
+    from tests.conftest import wait_for
+    from tests.test_shm_saver import _wait_gone
+
+    root, out = tmp_path / "ck", tmp_path / "snap"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "0",
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+         __file__, "snap", "--mode", "memory", "--mb", "8", "--root", str(root), "--out", str(out)],
+        env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        wait_for(
+            lambda: all((tmp_path / f"snap.rank{r}.json").exists() for r in range(WORLD)) or run.poll() is not None,
+            timeout=90, what="both torchrun workers to report their snapshot",
+        )
+        assert run.poll() is None, run.communicate()[0]
+        reports = [_report(out, r) for r in range(WORLD)]
+        assert [r["saver_children"] for r in reports] == [1, 0]
+        os.kill(reports[1]["pid"], signal.SIGKILL)  # torchrun then stops rank 0 and exits
+        output = run.communicate(timeout=120)[0]
+        assert run.returncode != 0, output
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    _wait_gone(reports[0]["saver"])
+    assert _node_leftovers(reports[0]["pid"]) == []
+    assert (root / "step-00000003").is_dir(), output
+    _check_resumed(tmp_path, root, 3, 8)
+
+
 # ---------------------------------------------------------------- the rank programs
 def _setup():
     from datetime import timedelta
@@ -175,6 +209,7 @@ def snap_main(a) -> None:
     torch.save(state["model"].module.state_dict(), f"{a.out}.rank{rank}.model")
     report = {
         "saver": mgr._backend.saver_pid,
+        "pid": os.getpid(),
         "saver_children": _saver_children(),
         "valid_at_report": validate_dir(Path(a.root) / "step-00000003").valid,
     }

@@ -202,16 +202,20 @@ class Saver:
         return info
 
     # ------------------------------------------------------------------ the loop
-    def finished(self) -> bool:
-        if any(ch.state == "open" for ch in self.channels.values()) or self.pending:
+    def all_arrived(self) -> bool:
+        """Every rank introduced itself (or the connect deadline passed)."""
+        if self.pending:
             return False
         return len(self.channels) == len(self.ranks) or time.monotonic() > self.connect_deadline
+
+    def finished(self) -> bool:
+        return self.all_arrived() and not any(ch.state == "open" for ch in self.channels.values())
 
     def run(self) -> int:
         try:
             while not self.finished():
                 self.step()
-                if not self.rescued and any(ch.state == "gone" for ch in self.channels.values()):
+                if not self.rescued and self.all_arrived() and any(ch.state == "gone" for ch in self.channels.values()):
                     self.rescue()  # at once: the survivors' step may end (and kill us) soon
         finally:
             try:
