@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 WORLD = 2
 SHM = Path("/dev/shm")
@@ -153,6 +155,40 @@ def test_under_torchrun_a_worker_killed_9_still_gets_its_snapshot_committed(tmp_
     _wait_gone(reports[0]["saver"])
     assert _node_leftovers(reports[0]["pid"]) == []
     assert (root / "step-00000003").is_dir(), output
+    _check_resumed(tmp_path, root, 3, 8)
+
+
+@pytest.mark.slurm
+def test_under_srun_one_task_killed_9_gets_its_snapshot_committed_while_the_other_runs(slurm_jobs, tmp_path):
+    """Two srun tasks; rank 1 is killed -9: the saver (started by rank 0's task) commits the node's
+    newest snapshot at once, while rank 0's task, and so the step, is still alive."""
+    from ftkit.checkpoint import validate_dir
+    from tests.ckpt_helpers import env, free_port
+    from tests.conftest import wait_for
+    from tests.test_shm_saver import _alive, _wait_gone
+
+    root, out = tmp_path / "ck", tmp_path / "snap"
+    job = slurm_jobs.submit(
+        f"""#!/bin/bash
+#SBATCH -n 2 -o {tmp_path}/slurm-%j.out
+cd {REPO}
+srun -n 2 bash -c 'RANK=$SLURM_PROCID WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={free_port()} \
+    exec {sys.executable} {__file__} snap --mode memory --mb 8 --root {root} --out {out}'
+""",
+        env=env(),
+    )
+    wait_for(lambda: all((tmp_path / f"snap.rank{r}.json").exists() for r in range(WORLD))
+             or slurm_jobs.job_state(job) not in ("PENDING", "RUNNING"),
+             timeout=120, what="both srun tasks to report their snapshot")
+    reports = [_report(out, r) for r in range(WORLD)]
+    assert [r["saver_children"] for r in reports] == [1, 0]
+    os.kill(reports[1]["pid"], signal.SIGKILL)
+    wait_for(lambda: validate_dir(root / "step-00000003").valid, timeout=60,
+             what="the saver to commit step 3 while rank 0's task runs")
+    assert _alive(reports[0]["pid"]) and slurm_jobs.job_state(job) == "RUNNING"
+    slurm_jobs.cancel(job)
+    _wait_gone(reports[0]["saver"], timeout=60)
+    assert _node_leftovers(reports[0]["pid"]) == []
     _check_resumed(tmp_path, root, 3, 8)
 
 
