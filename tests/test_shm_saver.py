@@ -192,6 +192,23 @@ def test_ftkit_requeue_waits_for_the_saver_rescuing_a_dead_trainer(tmp_path):
     assert f"after progress to step {info['step']}" in out.stdout, out.stdout  # the rescue counted
 
 
+def test_saver_ignores_a_malformed_command_and_keeps_serving(tmp_path, caplog):
+    from ftkit.checkpoint._saver import Channel, Saver
+
+    r, w = os.pipe()
+    answers: list[bytes] = []
+    leader = Channel(fd=r, write=answers.append, rank=0, pid=os.getpid())
+    saver = Saver({}, ranks=[0], leader=leader, root=tmp_path)
+    os.write(w, b'not json\n{"op": "segment"}\n{"op": "close"}\n')
+    try:
+        assert saver.run() == 0
+    finally:
+        os.close(r)
+        os.close(w)
+    assert leader.state == "closed" and answers == [b'{"op": "closed"}\n']
+    assert sum("malformed command" in m for m in caplog.messages) == 2
+
+
 def test_segment_lock_a_read_waits_for_a_live_writer_and_a_write_for_a_read(tmp_path):
     import threading
 

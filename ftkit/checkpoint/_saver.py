@@ -260,8 +260,12 @@ class Saver:
         ch.buf += chunk
         while b"\n" in ch.buf and ch.state == "open":
             line, ch.buf = ch.buf.split(b"\n", 1)
-            if line.strip():
+            if not line.strip():
+                continue
+            try:
                 self.handle(ch, json.loads(line))
+            except (ValueError, KeyError, TypeError) as exc:  # a malformed command must not stop the saver
+                log.error("saver: ignoring a malformed command from rank %s: %r (%s)", ch.rank, line[:200], exc)
 
     def accept(self) -> None:
         assert self.listener is not None
