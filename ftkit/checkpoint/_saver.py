@@ -136,6 +136,8 @@ class Saver:
         self.pending: list[Channel] = []  # accepted, no hello yet
         self.connect_deadline = time.monotonic() + connect_timeout
         self.rescued = False
+        self._maps: dict[Path, Any] = {}
+        self._maps_lock = threading.Lock()
         self.queues: dict[int, queue.Queue[tuple | None]] = {}
         self.workers: list[threading.Thread] = []
         for rank in ranks:
@@ -160,7 +162,9 @@ class Saver:
             ch.send(op="ready", pid=os.getpid())
             return
         if op == "segment":
-            ch.segments[int(cmd["slot"])] = Path(cmd["path"])
+            slot = int(cmd["slot"])
+            self.forget(ch.segments.get(slot))
+            ch.segments[slot] = Path(cmd["path"])
         elif op == "persist":
             slot, step = int(cmd["slot"]), int(cmd["step"])
             ch.submitted.add(step)
@@ -170,6 +174,23 @@ class Saver:
             ch.send(op="closed")
         else:
             log.warning("saver: unknown command %r ignored", op)
+
+    def mapping(self, path: Path) -> Any:
+        """The saver's :class:`~ftkit.checkpoint._shm.SlotMap` of segment ``path`` (kept across persists)."""
+        from ._shm import SlotMap
+
+        with self._maps_lock:
+            found = self._maps.get(path)
+            if found is None:
+                found = self._maps[path] = SlotMap(path)
+            return found
+
+    def forget(self, path: Path | None) -> None:
+        """Unmap a segment the trainer replaced (its memory goes once nothing reads it)."""
+        with self._maps_lock:
+            found = self._maps.pop(path, None) if path is not None else None
+        if found is not None:
+            found.close()
 
     def _work(self, rank: int, jobs: queue.Queue[tuple | None]) -> None:
         while (job := jobs.get()) is not None:
@@ -188,9 +209,10 @@ class Saver:
                 writer_alive: Any = lambda: False) -> Any:
         from ..errors import CheckpointError
         from ._async_buffers import host_snapshot
-        from ._shm import read_slot
-
-        view = read_slot(path, seq=seq, writer_alive=writer_alive) if path is not None else None
+        try:
+            view = self.mapping(path).read(seq=seq, writer_alive=writer_alive) if path is not None else None
+        except FileNotFoundError:
+            view = None
         if view is None:
             raise CheckpointError(f"rank {rank}'s snapshot seq {seq} of step {step} is not complete in shared memory ({path})")
         try:
@@ -321,6 +343,8 @@ class Saver:
             self.queues[rank].put((ch, path, seq, step, False, "trainer died: newest in-memory snapshot"))
 
     def cleanup(self) -> None:
+        for path in list(self._maps):
+            self.forget(path)
         for ch in [*self.channels.values(), *self.pending]:
             for path in ch.segments.values():
                 with contextlib.suppress(FileNotFoundError):

@@ -43,7 +43,7 @@ import torch
 
 from ..errors import CheckpointError
 
-__all__ = ["PREFIX", "Segment", "SlotView", "read_slot"]
+__all__ = ["PREFIX", "Segment", "SlotMap", "SlotView", "read_slot"]
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,8 @@ def encode_skeleton(skeleton: Any, table: list, nbytes: int) -> bytes:
 
 @dataclass(slots=True)
 class SlotView:
-    """Saver side: a COMPLETE slot, its tensors mapped straight from shared memory."""
+    """Saver side: a COMPLETE slot, its tensors mapped straight from shared memory, read-locked
+    until ``close``."""
 
     path: Path
     seq: int
@@ -180,16 +181,74 @@ class SlotView:
     skeleton: Any
     tensors: list[torch.Tensor]
     nbytes: int
-    _mm: Any
-    _fd: int = -1
+    _owner: Any
 
     def close(self) -> None:
         self.tensors = []
         self.skeleton = None
+        self._owner.release()
+
+
+class SlotMap:
+    """Saver side: one segment mapped once (``MAP_POPULATE``) and read at every persist of its slot.
+
+    Mapping a segment anew for each persist would fault in (or populate) every page of it each
+    time: ~0.06 s per GiB, ~15% of a persist. ``close`` unmaps and closes (idempotent).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._fd = os.open(path, os.O_RDWR)
+        try:
+            st = os.fstat(self._fd)
+            if st.st_uid != os.geteuid():
+                raise CheckpointError(f"{path} belongs to uid {st.st_uid}, not to this user; not reading it")
+            self._mm: Any = mmap.mmap(self._fd, st.st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self._one_shot = False
+
+    def read(self, *, seq: int | None = None, writer_alive: Callable[[], bool] = lambda: False) -> SlotView | None:
+        """The slot under a read lock if it is COMPLETE (with ``seq`` if given), else None.
+        While ``writer_alive()``, waits for a write in progress to end."""
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not writer_alive():
+                    break  # held by a dead trainer's child: the header tells whether it is complete
+                time.sleep(0.01)
+        mm = self._mm
+        magic, version, state, got_seq, step, skel_off, skel_len, _ = _HEADER.unpack_from(mm, 0)
+        if magic != MAGIC or version != VERSION or state != COMPLETE or (seq is not None and got_seq != seq):
+            self.release()
+            return None
+        meta = pickle.loads(mm[skel_off : skel_off + skel_len])
+        tensors = []
+        for off, dtype_name, shape in meta["tensors"]:
+            dtype = _dtype(dtype_name)
+            nbytes = _numel(shape) * dtype.itemsize
+            if nbytes == 0:
+                tensors.append(torch.empty(shape, dtype=dtype))
+            else:
+                tensors.append(torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off).view(dtype).view(shape))
+        return SlotView(self.path, got_seq, step, meta["skeleton"], tensors, meta["nbytes"], self)
+
+    def release(self) -> None:
+        """Drop the read lock (a one-shot mapping from ``read_slot`` is closed instead)."""
+        if self._one_shot:
+            self.close()
+        elif self._fd >= 0:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
         with contextlib.suppress(BufferError):  # a tensor still referenced: the GC unmaps it later
             self._mm.close()
         if self._fd >= 0:
-            os.close(self._fd)  # releases the read lock
+            os.close(self._fd)  # also releases the lock
             self._fd = -1
 
 
@@ -211,40 +270,14 @@ def read_header(path: str | os.PathLike[str]) -> tuple[int, int, int] | None:
 def read_slot(
     path: str | os.PathLike[str], *, seq: int | None = None, writer_alive: Callable[[], bool] = lambda: False
 ) -> SlotView | None:
-    """Map a COMPLETE slot (with ``seq`` if given) under a read lock; None if it is absent, being
-    written or another seq. While ``writer_alive()``, waits for a write in progress to end."""
+    """Map a COMPLETE slot once (see :class:`SlotMap`); None if it is absent, being written or
+    another seq. ``SlotView.close`` unmaps it."""
     try:
-        fd = os.open(path, os.O_RDWR)
+        owner = SlotMap(path)
     except FileNotFoundError:
         return None
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid():
-            raise CheckpointError(f"{path} belongs to uid {st.st_uid}, not to this user; not reading it")
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if not writer_alive():
-                    break  # held by a dead trainer's child: the header tells whether it is complete
-                time.sleep(0.01)
-        mm = mmap.mmap(fd, st.st_size)
-    except BaseException:
-        os.close(fd)
-        raise
-    magic, version, state, got_seq, step, skel_off, skel_len, _ = _HEADER.unpack_from(mm, 0)
-    if magic != MAGIC or version != VERSION or state != COMPLETE or (seq is not None and got_seq != seq):
-        mm.close()
-        os.close(fd)
-        return None
-    meta = pickle.loads(mm[skel_off : skel_off + skel_len])
-    tensors = []
-    for off, dtype_name, shape in meta["tensors"]:
-        dtype = _dtype(dtype_name)
-        nbytes = _numel(shape) * dtype.itemsize
-        if nbytes == 0:
-            tensors.append(torch.empty(shape, dtype=dtype))
-        else:
-            tensors.append(torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off).view(dtype).view(shape))
-    return SlotView(Path(path), got_seq, step, meta["skeleton"], tensors, meta["nbytes"], mm, fd)
+    owner._one_shot = True
+    view = owner.read(seq=seq, writer_alive=writer_alive)
+    if view is None:
+        owner.close()
+    return view
