@@ -16,10 +16,11 @@ through /proc/self/clear_refs after the state is built). Variants, side by side 
 * ``raw-write``   os.write of the same number of bytes + fsync: the disk's sequential bandwidth
 
 The persist-throughput goal compares ftkit's background persist with raw write+fsync measured
-side by side in the same worker process: ``--rounds`` rounds, each one ftkit save and two raw
-writes of the same number of bytes to new files (order rotating), each preceded by the same
-preparation (``sync``, drop the page cache when root, ``--settle`` seconds of pause); the
-persist median is compared with the better of the two raw medians. The two raw writes: plain
+side by side in the same worker process: ``--rounds`` rounds, each one ftkit save, one in-memory
+copy of the state (the stall's reference) and two raw writes of the same number of bytes to new
+files (order rotating), each preceded by the same preparation (``sync``, drop the page cache when
+root, ``--settle`` seconds of pause); the persist median is compared with the better of the two
+raw medians, the stall median with the copy median. The two raw writes: plain
 (os.write + fsync), and the same with the early writeback + eviction of written-back pages that
 ftkit's writer does (``posix_fadvise(DONTNEED)`` every 64 MiB, reaching back 128 MiB). Without
 the eviction a write takes its whole size in fresh page-cache pages, which on a VM whose first
@@ -199,11 +200,17 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
             raws: dict[str, list[float]] = {"plain": [], "evict": []}
             raw_bytes = 0
             for step in range(1, rounds + 2):  # step 1 allocates the buffers: not timed
-                # rotate the order of (persist, plain raw, evict raw) from round to round
-                order = ["persist", "plain", "evict"][step % 3:] + ["persist", "plain", "evict"][: step % 3]
+                # rotate the order of (persist, in-memory copy, plain raw, evict raw) from round
+                # to round; each one after the same preparation, so the stall and the copy it is
+                # held against start from the same state (caches, pauses)
+                kinds = ["persist", "copy", "plain", "evict"]
+                order = kinds[step % 4:] + kinds[: step % 4]
                 for what in order if step > 1 else ["persist"]:
                     if step > 1:
                         out["dropped_caches"] = _settle(settle_s)
+                    if what == "copy":
+                        copies += _copy_times(bufs, tensors, 1)
+                        continue
                     if what != "persist":
                         path = work / f"raw-{what}-{step}.bin"
                         raws[what].append(_raw_write(path, raw_bytes, chunk, evict=what == "evict"))
@@ -221,9 +228,7 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
                     out["peak_extra"] = _status("VmHWM") - base
                     tensors = list(_tensors(state_dicts()))
                     bufs = [torch.empty_like(x) for x in tensors]
-                    _copy_times(bufs, tensors, 1)
-                else:  # the limit, measured side by side in the same process
-                    copies += _copy_times(bufs, tensors, 1)
+                    _copy_times(bufs, tensors, 1)  # first touch of the buffers: not timed
             del bufs, tensors
             out["first_stall_s"] = stalls[0]
             out["stall_s"] = statistics.median(stalls[1:])
