@@ -16,11 +16,12 @@ through /proc/self/clear_refs after the state is built). Variants, side by side 
 * ``raw-write``   os.write of the same number of bytes + fsync: the disk's sequential bandwidth
 
 The persist-throughput goal compares ftkit's background persist with raw write+fsync measured
-side by side in the same worker process: ``--rounds`` rounds, each one ftkit save, one in-memory
-copy of the state (the stall's reference) and two raw writes of the same number of bytes to new
-files (order rotating), each preceded by the same preparation (``sync``, drop the page cache when
-root, ``--settle`` seconds of pause); the persist median is compared with the better of the two
-raw medians, the stall median with the copy median. The two raw writes: plain
+side by side in the same worker process: ``--rounds`` rounds, each one ftkit save and two raw
+writes of the same number of bytes to new files (order rotating), each preceded by the same
+preparation (``sync``, drop the page cache when root, ``--settle`` seconds of pause); the
+persist median is compared with the better of the two raw medians. The stall is compared with
+an in-memory copy of the same tensors in ``--rounds`` more rounds, alternating save and copy,
+warm (dropping the page cache right before a save evicts the code pages it runs through). The two raw writes: plain
 (os.write + fsync), and the same with the early writeback + eviction of written-back pages that
 ftkit's writer does (``posix_fadvise(DONTNEED)`` every 64 MiB, reaching back 128 MiB). Without
 the eviction a write takes its whole size in fresh page-cache pages, which on a VM whose first
@@ -199,42 +200,51 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
             stalls, persists, copies = [], [], []
             raws: dict[str, list[float]] = {"plain": [], "evict": []}
             raw_bytes = 0
-            for step in range(1, rounds + 2):  # step 1 allocates the buffers: not timed
-                # rotate the order of (persist, in-memory copy, plain raw, evict raw) from round
-                # to round; each one after the same preparation, so the stall and the copy it is
-                # held against start from the same state (caches, pauses)
-                kinds = ["persist", "copy", "plain", "evict"]
-                order = kinds[step % 4:] + kinds[: step % 4]
-                for what in order if step > 1 else ["persist"]:
-                    if step > 1:
-                        out["dropped_caches"] = _settle(settle_s)
+            step = 1  # allocates the buffers: not timed
+            t = time.perf_counter()
+            mgr.save(step, state)
+            out["first_stall_s"] = time.perf_counter() - t
+            mgr.wait()
+            out["peak_extra"] = _status("VmHWM") - base
+            # Persist rounds: (persist, plain raw, evict raw) in rotating order, each after the
+            # same preparation (sync, dropped page cache, pause).
+            kinds = ["persist", "plain", "evict"]
+            for i in range(rounds):
+                for what in kinds[i % 3:] + kinds[: i % 3]:
+                    out["dropped_caches"] = _settle(settle_s)
+                    if what != "persist":
+                        path = work / f"raw-{what}-{i}.bin"
+                        raws[what].append(_raw_write(path, raw_bytes, chunk, evict=what == "evict"))
+                        continue
+                    step += 1
+                    mgr.save(step, state)
+                    mgr.wait()
+                    # the background worker's own time from snapshot handed over to durable
+                    persists.append(mgr.last_persist_seconds)
+                    # the raw writes write exactly the bytes ftkit wrote (state file, manifest, ...)
+                    raw_bytes = sum(p.stat().st_size for p in (work / "ck" / f"step-{step:08d}").rglob("*")
+                                    if p.is_file())
+            # Stall rounds: a save (then wait until durable) and a plain copy of the same
+            # tensors into preallocated buffers, alternating, warm: no dropped caches, which
+            # would evict the code pages a save runs through and time the disk, not the stall.
+            tensors = list(_tensors(state_dicts()))
+            bufs = [torch.empty_like(x) for x in tensors]
+            _copy_times(bufs, tensors, 1)  # first touch of the buffers: not timed
+            for i in range(rounds):
+                for what in ("copy", "save") if i % 2 else ("save", "copy"):
                     if what == "copy":
                         copies += _copy_times(bufs, tensors, 1)
                         continue
-                    if what != "persist":
-                        path = work / f"raw-{what}-{step}.bin"
-                        raws[what].append(_raw_write(path, raw_bytes, chunk, evict=what == "evict"))
-                        continue
+                    step += 1
                     t = time.perf_counter()
                     mgr.save(step, state)
                     stalls.append(time.perf_counter() - t)
                     mgr.wait()
-                    # the background worker's own time from snapshot handed over to durable
-                    persists.append(mgr.last_persist_seconds or (time.perf_counter() - t))
-                    # the raw writes write exactly the bytes ftkit wrote (state file, manifest, ...)
-                    raw_bytes = sum(p.stat().st_size for p in (work / "ck" / f"step-{step:08d}").rglob("*")
-                                    if p.is_file())
-                if step == 1:
-                    out["peak_extra"] = _status("VmHWM") - base
-                    tensors = list(_tensors(state_dicts()))
-                    bufs = [torch.empty_like(x) for x in tensors]
-                    _copy_times(bufs, tensors, 1)  # first touch of the buffers: not timed
             del bufs, tensors
-            out["first_stall_s"] = stalls[0]
-            out["stall_s"] = statistics.median(stalls[1:])
+            out["stall_s"] = statistics.median(stalls)
             out["copy_here_s"] = statistics.median(copies)
-            out["persist_s"] = statistics.median(persists[1:])
-            out["persist_runs"] = persists[1:]
+            out["persist_s"] = statistics.median(persists)
+            out["persist_runs"] = persists
             for what, times in raws.items():
                 out[f"raw_{what}_s"] = statistics.median(times)
                 out[f"raw_{what}_runs"] = times
@@ -242,7 +252,7 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
         finally:
             mgr.close()
         t = time.perf_counter()
-        assert make_manager(cfg).load(state) == rounds + 1
+        assert make_manager(cfg).load(state) == 1 + 2 * rounds
         out["load_s"] = time.perf_counter() - t
     elif variant == "loop":
         out.update(_loop(model, opt, work))
