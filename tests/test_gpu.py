@@ -35,7 +35,8 @@ def test_pinned_buffers_and_side_stream_copy_match_the_device_tensors() -> None:
     assert [b.data_ptr() for b in again] == [b.data_ptr() for b in dst]  # reused, not reallocated
 
 
-def test_async_save_of_a_cuda_model_resumes_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("crash_safe", [False, True], ids=["thread", "crash-safe"])
+def test_async_save_of_a_cuda_model_resumes_exactly(tmp_path: Path, crash_safe: bool) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)).cuda()
     opt = torch.optim.Adam(model.parameters())
@@ -45,7 +46,8 @@ def test_async_save_of_a_cuda_model_resumes_exactly(tmp_path: Path) -> None:
         model(x).pow(2).mean().backward()
         opt.step()
     cfg = CheckpointConfig(root=tmp_path / "checkpoints")
-    with AsyncCheckpointer(cfg, async_config=ftkit.AsyncConfig(), events=None, rank=0, world_size=1) as mgr:
+    async_config = ftkit.AsyncConfig(crash_safe=crash_safe)  # crash-safe: cudaHostRegister'ed /dev/shm
+    with AsyncCheckpointer(cfg, async_config=async_config, events=None, rank=0, world_size=1) as mgr:
         mgr.save(3, {"model": model, "optimizer": opt})
         # training goes on while the snapshot persists: the snapshot must not see this update
         model(x).pow(2).mean().backward()
