@@ -58,19 +58,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .._proc import proc_start
+
 log = logging.getLogger("ftkit.checkpoint.saver")
 
 _POLL = 0.5
-
-
-def proc_start(pid: int) -> str | None:
-    """The start time of a live (not zombie) process, None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[-1].split()
-    except OSError:
-        return None
-    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 class Channel:

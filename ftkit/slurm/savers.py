@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from .._proc import proc_start
+
 __all__ = ["find_savers", "wait_for_savers"]
 
 log = logging.getLogger(__name__)
@@ -29,11 +31,9 @@ def _saver_root(pid: int) -> Path | None:
         if os.stat(f"/proc/{pid}").st_uid != os.geteuid():
             return None
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[-1].split()[0]
-    except (OSError, IndexError):
+    except OSError:
         return None
-    if _MODULE not in argv or state in ("Z", "X") or b"--config" not in argv:
+    if _MODULE not in argv or b"--config" not in argv or proc_start(pid) is None:
         return None
     try:
         config = json.loads(argv[argv.index(b"--config") + 1])
