@@ -23,13 +23,14 @@ REPO = Path(__file__).resolve().parents[1]
 WORLD = 2
 
 
-def _launch(*args: str) -> list[subprocess.Popen]:
+def _launch(*args: str, script: str = __file__) -> list[subprocess.Popen]:
+    """``python3 SCRIPT ARGS`` as the WORLD ranks of a gloo group on 127.0.0.1."""
     from tests.ckpt_helpers import env, free_port
 
     port = str(free_port())
     return [
         subprocess.Popen(
-            [sys.executable, __file__, *args],
+            [sys.executable, script, *args],
             env=env(RANK=str(r), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
             cwd=REPO,
             stdout=subprocess.PIPE,

@@ -24,11 +24,9 @@ SHM = Path("/dev/shm")
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
+    from ftkit._proc import proc_start
+
+    return proc_start(pid) is not None
 
 
 def _savers_of(trainer_pid: int) -> list[int]:

@@ -29,24 +29,15 @@ SHM = Path("/dev/shm")
 
 
 def _launch(*args: str) -> list[subprocess.Popen]:
-    from tests.ckpt_helpers import env, free_port
+    from tests.test_async_multirank import _launch as launch
 
-    port = str(free_port())
-    return [
-        subprocess.Popen(
-            [sys.executable, __file__, *args],
-            env=env(RANK=str(r), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(WORLD)
-    ]
+    return launch(*args, script=__file__)
 
 
 def _report(out: Path, rank: int) -> dict:
-    return json.loads((out.parent / f"{out.name}.rank{rank}.json").read_text())
+    from tests.test_async_multirank import _report as report
+
+    return report(out, rank)
 
 
 def _kill(proc: subprocess.Popen) -> str:
@@ -194,15 +185,9 @@ srun -n 2 bash -c 'RANK=$SLURM_PROCID WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_
 
 # ---------------------------------------------------------------- the rank programs
 def _setup():
-    from datetime import timedelta
+    from tests.test_async_multirank import _setup as setup
 
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
-    return rank, world
+    return setup(timeout_s=30)
 
 
 def _saver_children() -> int:
