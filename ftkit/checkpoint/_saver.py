@@ -225,16 +225,19 @@ class Saver:
     def finished(self) -> bool:
         return self.all_arrived() and not any(ch.state == "open" for ch in self.channels.values())
 
+    def lost(self) -> bool:
+        """A rank of the node is gone, or never connected."""
+        return len(self.channels) < len(self.ranks) or any(ch.state == "gone" for ch in self.channels.values())
+
     def run(self) -> int:
         try:
             while not self.finished():
                 self.step()
-                if not self.rescued and self.all_arrived() and any(ch.state == "gone" for ch in self.channels.values()):
+                if not self.rescued and self.all_arrived() and self.lost():
                     self.rescue()  # at once: the survivors' step may end (and kill us) soon
         finally:
             try:
-                if not self.rescued and (any(ch.state == "gone" for ch in self.channels.values())
-                                         or len(self.channels) < len(self.ranks)):
+                if not self.rescued and self.lost():
                     self.rescue()
                 for q in self.queues.values():
                     q.put(None)
