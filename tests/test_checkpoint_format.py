@@ -170,6 +170,20 @@ def test_write_error_is_the_real_oserror_and_stops_the_crc_thread(tmp_path, monk
     assert not [t for t in threading.enumerate() if t.name == "ftkit-crc32"]
 
 
+def test_crc_is_zlib_ng_and_equals_the_standard_zlib_crc(tmp_path):
+    # zlib-ng is a dependency: a checkpoint is checksummed at its speed, never silently at zlib's
+    assert _files.CRC_IMPL == "zlib-ng"
+    rng = random.Random(2)
+    for n in (0, 1, 7, 4095, 1 << 20, (5 << 20) + 3):
+        data = rng.randbytes(n)
+        assert _files.crc32(data) == zlib.crc32(data)
+        seed = rng.getrandbits(32)  # incremental, as the writer's thread and crc32_file use it
+        assert _files.crc32(memoryview(data)[n // 3 :], seed) == zlib.crc32(data[n // 3 :], seed)
+    data = rng.randbytes((9 << 20) + 5)  # more than two of crc32_file's 4 MiB reads
+    (tmp_path / "f").write_bytes(data)
+    assert _files.crc32_file(tmp_path / "f") == (len(data), f"{zlib.crc32(data):08x}")
+
+
 def test_empty_and_tiny_files(tmp_path):
     w = HashingWriter(tmp_path / "empty")
     w.close()

@@ -35,7 +35,6 @@ import math
 import os
 import pickle
 import time
-import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ import torch
 from ..errors import CheckpointError
 from ._async_buffers import Ref
 from ._config import CheckpointInfo
-from ._files import CHECKSUM, atomic_write_bytes, crc32_file, fsync_dir
+from ._files import CHECKSUM, atomic_write_bytes, crc32, crc32_file, fsync_dir
 from ._layout import DCP_DIR, SENTINEL, rank_file, step_name
 from ._manifest import validate_dir
 from ._single import WriteProgress, write_state_file
@@ -406,7 +405,7 @@ class RankCommit:
         plan_entry = {
             "name": part_name(self.rank, "plan"),
             "size": len(plan_blob),
-            CHECKSUM: f"{zlib.crc32(plan_blob):08x}",
+            CHECKSUM: f"{crc32(plan_blob):08x}",
         }
         self._write_json(
             path, {"save_id": save_id, "step": step, "files": files, "plan": plan_entry}
@@ -458,7 +457,7 @@ class RankCommit:
                 files[name] = dict(meta)
             entry = part["plan"]
             blob = (path / entry["name"]).read_bytes()
-            if len(blob) != entry["size"] or f"{zlib.crc32(blob):08x}" != entry[CHECKSUM]:
+            if len(blob) != entry["size"] or f"{crc32(blob):08x}" != entry[CHECKSUM]:
                 raise CheckpointError(
                     f"rank {rank}'s {entry['name']} in {path} does not match its part"
                 )

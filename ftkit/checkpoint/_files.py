@@ -1,8 +1,11 @@
 """Durable file primitives: fsync, atomic replace, a file wrapper that checksums as it writes.
 
-The checksum is CRC-32 (``zlib.crc32``, stored as 8 lowercase hex digits). It catches
-truncation, torn writes and flipped bits at several GB/s; it is not a defence against
-deliberate tampering.
+The checksum is CRC-32 (zlib's polynomial, stored as 8 lowercase hex digits). It catches
+truncation, torn writes and flipped bits; it is not a defence against deliberate tampering.
+It is computed with ``zlib_ng.crc32`` (the ``zlib-ng`` package, a dependency: carry-less
+multiplication, ~20 GB/s on a 2020s x86 core) when that imports, else with the standard
+library's ``zlib.crc32`` (~4 GB/s). Both give the same value, so a checkpoint written with one
+verifies with the other; :data:`CRC_IMPL` says which one this process uses.
 """
 
 from __future__ import annotations
@@ -13,15 +16,25 @@ import errno
 import os
 import queue
 import threading
-import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+try:  # the same CRC-32 as zlib's, about 5x faster; releases the GIL like zlib.crc32
+    from zlib_ng.zlib_ng import crc32 as crc32
+
+    CRC_IMPL = "zlib-ng"
+except ImportError:  # pragma: no cover - zlib-ng is a dependency; identical values, slower
+    from zlib import crc32 as crc32
+
+    CRC_IMPL = "zlib"
+
 __all__ = [
     "CHECKSUM",
+    "CRC_IMPL",
     "HashingWriter",
     "atomic_write_bytes",
+    "crc32",
     "crc32_file",
     "fsync_dir",
     "fsync_file",
@@ -55,13 +68,15 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
 
 
 def crc32_file(path: str | os.PathLike[str]) -> tuple[int, str]:
-    """``(size, crc32 hex)`` of a file, read sequentially in 4 MiB chunks."""
+    """``(size, crc32 hex)`` of a file, read sequentially in 4 MiB chunks into one buffer."""
     crc = 0
     size = 0
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
+        while n := f.readinto(buf):
+            crc = crc32(view[:n], crc)
+            size += n
     return size, f"{crc:08x}"
 
 
@@ -73,7 +88,7 @@ class HashingWriter:
 
     The CRC runs in a helper thread over the very buffers handed to ``write``, in write order,
     so it overlaps the write calls and the final fsync instead of adding to them
-    (``zlib.crc32`` releases the GIL). A buffer may be checksummed after ``write`` returned
+    (:func:`crc32` releases the GIL). A buffer may be checksummed after ``write`` returned
     only if it stays valid and unchanged until ``close``: buffers inside one of the ``stable``
     memory ranges (``(address, nbytes)``, e.g. the storages of the tensors being saved) are
     queued by reference; other buffers are copied when small, else ``write`` waits until
@@ -229,7 +244,7 @@ class _CrcThread:
             buf, done = item
             try:
                 if not self._abort and self.error is None:
-                    crc = zlib.crc32(buf, crc)
+                    crc = crc32(buf, crc)
                     self.value = crc
             except BaseException as exc:  # re-raised by stop()
                 self.error = exc
