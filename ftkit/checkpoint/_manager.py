@@ -33,7 +33,7 @@ from ._manifest import build_manifest, validate_dir, verify_files, write_manifes
 from ._pins import pin_checkpoint, unpin_checkpoint
 from ._retention import delete_checkpoint, plan_retention
 from ._single import WriteProgress, read_state_file, write_state_file
-from ._state import Snapshot, restore_rng, restore_state, take_snapshot
+from ._state import Snapshot, own_tensors, restore_rng, restore_state, take_snapshot
 
 __all__ = ["Checkpointer"]
 
@@ -327,7 +327,7 @@ class Checkpointer:
         payload: dict[str, Any] = {}
         try:
             verify = self.config.verify_on_load and not self.comm.distributed
-            payload = read_state_file(path, name, info.files[name], verify=verify)
+            payload = read_state_file(path, name, info.files[name], verify=verify, mmap=True)
         except (CheckpointError, KeyError) as exc:
             problem = str(exc)
         problems = [p for p in self.comm.gather(problem) if p]
@@ -345,7 +345,8 @@ class Checkpointer:
                     f"could not load sharded state from {path / DCP_DIR}: {exc}"
                 ) from exc
             rest = {k: v for k, v in state.items() if k not in keys}  # the rest is in rank-R.pt
-        restore_state(rest, payload["state"])
+        # the payload's tensors are views of the mapped file: what a live object keeps is copied
+        restore_state(rest, own_tensors(rest, payload["state"]))
         if rest is not state and isinstance(state, MutableMapping):
             for key, value in rest.items():  # plain values restored by replacement
                 if state[key] is not value:

@@ -10,12 +10,19 @@ is written with plain ``torch.save`` (same format, zip CRCs filled in, slower).
 
 Reading never unpickles arbitrary objects: ``torch.load(weights_only=True)`` only. With
 ``verify=True`` the file's CRC-32 is recomputed (one sequential read) and compared with the
-manifest before torch parses it, so a flipped byte is never loaded.
+manifest before torch parses it, so a flipped byte is never loaded. With ``mmap=True`` the
+tensors are views of the file mapped copy-on-write (``torch.load(mmap=True)``): the pages the
+CRC pass just read are used in place instead of being copied into fresh memory, which on a
+VM whose first touch of memory is slow costs seconds per GiB; the caller must copy out what it
+keeps (:func:`ftkit.checkpoint._state.own_tensors`).
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
+import mmap as _mmap
+import os
 import pickle
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,6 +35,8 @@ from ._files import CHECKSUM, HashingWriter
 from ._manifest import verify_files
 
 __all__ = ["FILE_FORMAT", "read_state_file", "write_state_file"]
+
+log = logging.getLogger(__name__)
 
 FILE_FORMAT = "ftkit-state"
 _SAVE_PARAMS = ["obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record"]
@@ -127,17 +136,43 @@ def write_state_file(
     return {"size": writer.size, CHECKSUM: writer.checksum}
 
 
+def _mappable(path: Path) -> bool:
+    """Whether ``path`` can be memory-mapped (some FUSE filesystems cannot), with a warning if not."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return True  # torch.load names the problem
+    try:
+        if os.fstat(fd).st_size:
+            _mmap.mmap(fd, 0, flags=_mmap.MAP_PRIVATE, prot=_mmap.PROT_READ).close()
+        return True
+    except (OSError, ValueError) as exc:
+        log.warning("cannot memory-map %s (%s); reading it into memory instead", path, exc)
+        return False
+    finally:
+        os.close(fd)
+
+
 def read_state_file(
-    directory: Path, name: str, meta: Mapping[str, Any], *, verify: bool = True
+    directory: Path,
+    name: str,
+    meta: Mapping[str, Any],
+    *,
+    verify: bool = True,
+    mmap: bool = False,
 ) -> dict[str, Any]:
-    """Load a state file written by :func:`write_state_file` (weights_only, CPU)."""
+    """Load a state file written by :func:`write_state_file` (weights_only, CPU).
+
+    ``mmap``: tensors are copy-on-write views of the mapped file (see the module doc).
+    """
     path = directory / name
     if verify:
         problem = verify_files(directory, {name: meta})
         if problem:
             raise CheckpointError(f"{directory}: {problem}")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        mapped = mmap and _mappable(path)
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
     except Exception as exc:
         raise CheckpointError(f"cannot load {path}: {exc}") from exc
     if not isinstance(payload, dict) or payload.get("format") != FILE_FORMAT:

@@ -12,6 +12,10 @@ Restoring (``restore_state``):
 * a list is refilled in place; a tensor of the same shape and dtype is ``copy_``-ed into;
 * any other value (int, float, str, ...) is written back into the state mapping, so
   ``state["step_in_epoch"]`` holds the restored value after ``load``.
+
+A checkpoint is loaded memory-mapped (no copy of the file into fresh memory), so before
+restoring, :func:`own_tensors` gives every saved tensor that a live object would keep, rather
+than copy from, memory of its own: nothing live stays backed by the checkpoint file.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ __all__ = [
     "Snapshot",
     "capture_rng",
     "copy_to_cpu",
+    "own_tensors",
     "restore_rng",
     "restore_state",
     "take_snapshot",
@@ -187,6 +192,75 @@ def _restore_value(live: Any, saved: Any) -> Any:
             live.copy_(saved)
         return live
     return saved
+
+
+def own_tensors(state: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[str, Any]:
+    """``saved`` (read memory-mapped from a checkpoint file), made safe to ``restore_state``.
+
+    ``restore_state`` copies a saved tensor into a live one where there is one (a module's
+    parameters and buffers, a tensor of the same shape and dtype) and keeps the saved tensor
+    itself everywhere else: optimizer state (``torch.optim.Optimizer.load_state_dict`` keeps
+    the tensors it is given), new dict keys, plain tensors of another shape. A kept tensor
+    still backed by the mapped file would hold the file's disk space after retention deletes
+    it (on NFS, as a ``.nfsXXXX`` file) and fault its pages in from the file later. So each
+    tensor that would be kept is replaced here: where a stateful object (not a module)
+    already has a tensor at the same place of its ``state_dict()``, with the same shape and
+    dtype, the saved values are copied into it and that tensor is handed back to
+    ``load_state_dict`` (a reload in the middle of a run allocates nothing); any other is
+    cloned into ordinary memory. Tensors that ``restore_state`` copies are left mapped.
+    """
+    return {k: _own(state.get(k, _MISSING), v) for k, v in saved.items()}
+
+
+def _own(live: Any, saved: Any) -> Any:
+    """Mirror of ``_restore_value``: what it would keep is replaced by memory of our own."""
+    if live is _MISSING:
+        return _clone_tensors(saved)
+    if isinstance(live, torch.nn.Module):
+        return saved  # Module.load_state_dict copies into its parameters and buffers
+    if is_stateful(live):
+        return _into(live.state_dict(), saved)
+    if isinstance(live, MutableMapping) and isinstance(saved, Mapping):
+        return {k: _own(live.get(k, _MISSING), v) for k, v in saved.items()}
+    if isinstance(live, list) and isinstance(saved, list) and len(live) == len(saved):
+        return [_own(a, b) for a, b in zip(live, saved, strict=True)]
+    if _same_kind(live, saved):
+        return saved
+    return _clone_tensors(saved)
+
+
+def _into(current: Any, saved: Any) -> Any:
+    """Saved values copied into the live object's own tensors where it has them, else cloned."""
+    if _same_kind(current, saved):
+        with torch.no_grad():
+            current.copy_(saved)
+        return current
+    if isinstance(current, Mapping) and isinstance(saved, Mapping):
+        return {k: _into(current.get(k, _MISSING), v) for k, v in saved.items()}
+    if isinstance(current, list) and isinstance(saved, list) and len(current) == len(saved):
+        return [_into(a, b) for a, b in zip(current, saved, strict=True)]
+    return _clone_tensors(saved)
+
+
+def _same_kind(live: Any, saved: Any) -> bool:
+    return (
+        isinstance(live, torch.Tensor)
+        and isinstance(saved, torch.Tensor)
+        and live.shape == saved.shape
+        and live.dtype == saved.dtype
+    )
+
+
+def _clone_tensors(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, Mapping):
+        return {k: _clone_tensors(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clone_tensors(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_clone_tensors(v) for v in value)
+    return value
 
 
 def restore_state(state: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
