@@ -29,7 +29,9 @@ touch of memory is slow (free page reporting: ~2 s/GiB measured) bounds it far b
 a raw write measured elsewhere (another process, reusing the pages of a file it just deleted)
 can be 5x faster or slower than one measured beside the persist.
 
-plus resume times (torch.load, DCP load, ftkit load with CRC check) and a steady training loop
+plus resume times (torch.load, DCP load, ftkit load with CRC check), each from a cold page
+cache (the same preparation: a resumed job, often on another node, reads from the disk); DCP
+and ftkit load into the existing model and optimizer tensors, torch.load allocates; and a steady training loop
 (Adam steps) checkpointing every N steps with ftkit-async vs torch.save vs none. Goals, as ratios:
 stall <= 1.25x copy; stall >= 5x smaller than torch.save+fsync at 1 GB; persist throughput
 >= 0.8x raw write bandwidth; peak extra host memory <= 2x state size.
@@ -166,6 +168,7 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
             os.fsync(f.fileno())
         out["stall_s"] = out["persist_s"] = time.perf_counter() - t
         out["peak_extra"] = _status("VmHWM") - base
+        _settle(settle_s)
         t = time.perf_counter()
         torch.load(path, weights_only=True)
         out["load_s"] = time.perf_counter() - t
@@ -185,13 +188,16 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
         out["persist_s"] = time.perf_counter() - t
         out["peak_extra"] = _status("VmHWM") - base
         target = state_dicts()
+        _settle(settle_s)
         t = time.perf_counter()
         dcp.load(target, checkpoint_id=path, no_dist=True)
         out["load_s"] = time.perf_counter() - t
     elif variant in ("ftkit-async", "ftkit-shm"):
         from ftkit.checkpoint import CheckpointConfig, make_manager
         from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
+        from ftkit.checkpoint._files import CRC_IMPL
 
+        out["crc"] = CRC_IMPL  # which CRC-32 implementation the persist ran with
         # keep_last=None: deleting the previous checkpoint is retention, not the persist
         cfg = CheckpointConfig(root=work / "ck", keep_last=None)
         state = {"model": model, "optimizer": opt}
@@ -251,6 +257,7 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
             out["raw_bytes"] = raw_bytes
         finally:
             mgr.close()
+        _settle(settle_s)
         t = time.perf_counter()
         assert make_manager(cfg).load(state) == 1 + 2 * rounds
         out["load_s"] = time.perf_counter() - t
@@ -403,7 +410,8 @@ def report(gb: float, res: dict[str, dict]) -> list[dict]:
             q = min(r["raw_plain_s"], r["raw_evict_s"]) / r["persist_s"]
             mb = r["raw_bytes"] / 1e6
             print(f"  {name} vs raw write+fsync of {mb:.0f} MB, side by side, {len(r['persist_runs'])} rounds, "
-                  f"caches {'dropped' if r.get('dropped_caches') else 'kept'}; medians (runs):")
+                  f"caches {'dropped' if r.get('dropped_caches') else 'kept'}, CRC-32 by {r.get('crc', '?')}; "
+                  "medians (runs):")
             for label, key in (("persist", "persist"), ("raw plain", "raw_plain"), ("raw evict", "raw_evict")):
                 print(f"    {label:<9} {mb / r[key + '_s']:6.0f} MB/s ({_runs(r[key + '_runs'])})")
             goal(f"{name} persist throughput / better raw write+fsync, side by side (>= 0.8)", q, q >= 0.8)
