@@ -243,6 +243,7 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
                         path = work / f"raw-{what}-{i}.bin"
                         source = [chunk] if what == "cached" else memory
                         raws[what].append(_raw_write(path, raw_bytes, source, evict=what != "plain"))
+                        path.unlink()  # not timed; 3 GB x 4 writes x rounds would fill the disk
                         continue
                     step += 1
                     mgr.save(step, state)
@@ -252,6 +253,7 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
                     # the raw writes write exactly the bytes ftkit wrote (state file, manifest, ...)
                     raw_bytes = sum(p.stat().st_size for p in (work / "ck" / f"step-{step:08d}").rglob("*")
                                     if p.is_file())
+                    _prune(work / "ck", step)
             # Stall rounds: a save (then wait until durable) and a plain copy of the same
             # tensors into preallocated buffers, alternating, warm: no dropped caches, which
             # would evict the code pages a save runs through and time the disk, not the stall.
@@ -268,6 +270,7 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
                     mgr.save(step, state)
                     stalls.append(time.perf_counter() - t)
                     mgr.wait()
+                    _prune(work / "ck", step)
             del bufs, tensors, memory
             out["stall_s"] = statistics.median(stalls)
             out["copy_here_s"] = statistics.median(copies)
@@ -288,6 +291,14 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
     if variant == "copy":
         out["peak_extra"] = _status("VmHWM") - base
     return out
+
+
+def _prune(root: Path, newest: int) -> None:
+    """Delete every checkpoint but ``newest`` (outside the timings: retention is not the persist,
+    and the saver runs with keep_last=None so that no deletion overlaps a timed persist)."""
+    for d in root.glob("step-*"):
+        if d.name != f"step-{newest:08d}":
+            shutil.rmtree(d)
 
 
 def _copy_times(bufs, tensors, reps: int) -> list[float]:
@@ -478,7 +489,7 @@ def main() -> int:
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="scratch directory on the disk to measure (same disk as the job dir)")
     ap.add_argument("--json", help="also write every measurement and goal to this file")
     ap.add_argument("--loop-max-gb", type=float, default=1.0, help="run the training-loop overhead measurement up to this size")
-    ap.add_argument("--rounds", type=int, default=5, help="timed persists and raw writes per variant (medians)")
+    ap.add_argument("--rounds", type=int, default=7, help="timed persists and raw writes per variant (medians)")
     ap.add_argument("--settle", type=float, default=3.0,
                     help="seconds of pause after sync + drop caches before each timed persist or raw write")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=argparse.SUPPRESS)
