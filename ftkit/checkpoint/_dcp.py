@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ..errors import CheckpointError
 from ._files import CHECKSUM, crc32_file
 from ._layout import DCP_DIR
+from ._state import clone_tensors
 
 __all__ = ["load_sharded", "save_sharded", "sharded_keys", "snapshot_sharded"]
 
@@ -55,18 +56,6 @@ def _owner(state: Mapping[str, Any], key: str, opt: torch.optim.Optimizer) -> to
     )
 
 
-def _clone(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_clone(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_clone(v) for v in value)
-    return value
-
-
 def _live_state_dicts(
     state: Mapping[str, Any], keys: frozenset[str], options: StateDictOptions
 ) -> dict[str, Any]:
@@ -82,7 +71,7 @@ def _live_state_dicts(
 
 def snapshot_sharded(state: Mapping[str, Any], keys: frozenset[str]) -> tuple[dict[str, Any], int]:
     """This rank's shards of ``keys``, copied into CPU memory."""
-    sd = _clone(_live_state_dicts(state, keys, StateDictOptions(cpu_offload=True)))
+    sd = clone_tensors(_live_state_dicts(state, keys, StateDictOptions(cpu_offload=True)))
     nbytes = 0
     stack: list[Any] = [sd]
     while stack:

@@ -34,6 +34,7 @@ from ..errors import CheckpointError
 __all__ = [
     "Snapshot",
     "capture_rng",
+    "clone_tensors",
     "copy_to_cpu",
     "own_tensors",
     "restore_rng",
@@ -215,7 +216,7 @@ def own_tensors(state: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[str,
 def _own(live: Any, saved: Any) -> Any:
     """Mirror of ``_restore_value``: what it would keep is replaced by memory of our own."""
     if live is _MISSING:
-        return _clone_tensors(saved)
+        return clone_tensors(saved)
     if isinstance(live, torch.nn.Module):
         return saved  # Module.load_state_dict copies into its parameters and buffers
     if is_stateful(live):
@@ -226,7 +227,7 @@ def _own(live: Any, saved: Any) -> Any:
         return [_own(a, b) for a, b in zip(live, saved, strict=True)]
     if _same_kind(live, saved):
         return saved
-    return _clone_tensors(saved)
+    return clone_tensors(saved)
 
 
 def _into(current: Any, saved: Any) -> Any:
@@ -239,7 +240,7 @@ def _into(current: Any, saved: Any) -> Any:
         return {k: _into(current.get(k, _MISSING), v) for k, v in saved.items()}
     if isinstance(current, list) and isinstance(saved, list) and len(current) == len(saved):
         return [_into(a, b) for a, b in zip(current, saved, strict=True)]
-    return _clone_tensors(saved)
+    return clone_tensors(saved)
 
 
 def _same_kind(live: Any, saved: Any) -> bool:
@@ -251,15 +252,16 @@ def _same_kind(live: Any, saved: Any) -> bool:
     )
 
 
-def _clone_tensors(value: Any) -> Any:
+def clone_tensors(value: Any) -> Any:
+    """``value`` with every tensor in it (dicts, lists, tuples) detached and cloned."""
     if isinstance(value, torch.Tensor):
-        return value.clone()
+        return value.detach().clone()
     if isinstance(value, Mapping):
-        return {k: _clone_tensors(v) for k, v in value.items()}
+        return {k: clone_tensors(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_clone_tensors(v) for v in value]
+        return [clone_tensors(v) for v in value]
     if isinstance(value, tuple):
-        return tuple(_clone_tensors(v) for v in value)
+        return tuple(clone_tensors(v) for v in value)
     return value
 
 
