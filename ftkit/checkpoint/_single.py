@@ -11,10 +11,10 @@ is written with plain ``torch.save`` (same format, zip CRCs filled in, slower).
 Reading never unpickles arbitrary objects: ``torch.load(weights_only=True)`` only. With
 ``verify=True`` the file's CRC-32 is recomputed (one sequential read) and compared with the
 manifest before torch parses it, so a flipped byte is never loaded. With ``mmap=True`` the
-tensors are views of the file mapped copy-on-write (``torch.load(mmap=True)``): the pages the
-CRC pass just read are used in place instead of being copied into fresh memory, which on a
-VM whose first touch of memory is slow costs seconds per GiB; the caller must copy out what it
-keeps (:func:`ftkit.checkpoint._state.own_tensors`).
+tensors are views of the file mapped copy-on-write (``torch.load(weights_only=True,
+mmap=True)``): the pages the CRC pass just read are used in place instead of being copied
+into fresh memory, which on a VM whose first touch of memory is slow costs seconds per GiB;
+the caller must copy out what it keeps (:func:`ftkit.checkpoint._state.own_tensors`).
 """
 
 from __future__ import annotations

@@ -183,12 +183,7 @@ def _restore_value(live: Any, saved: Any) -> Any:
         else:
             live[:] = saved
         return live
-    if (
-        isinstance(live, torch.Tensor)
-        and isinstance(saved, torch.Tensor)
-        and live.shape == saved.shape
-        and live.dtype == saved.dtype
-    ):
+    if _same_kind(live, saved):
         with torch.no_grad():
             live.copy_(saved)
         return live
@@ -244,6 +239,7 @@ def _into(current: Any, saved: Any) -> Any:
 
 
 def _same_kind(live: Any, saved: Any) -> bool:
+    """Both tensors, same shape and dtype: the saved one is copied into the live one."""
     return (
         isinstance(live, torch.Tensor)
         and isinstance(saved, torch.Tensor)
