@@ -18,7 +18,7 @@ import zlib
 import pytest
 import torch
 
-from ftkit.checkpoint import _files, _single
+from ftkit.checkpoint import _direct, _files, _single
 from ftkit.checkpoint._files import HashingWriter
 from ftkit.checkpoint._single import FILE_FORMAT, read_state_file, write_state_file
 from ftkit.errors import CheckpointError
@@ -89,9 +89,9 @@ def test_fast_path_leaves_zip_crcs_zero_and_fallback_fills_them(tmp_path, monkey
     if not _single._SKIP_ZIP_CRC:
         pytest.skip("this torch lacks the serializer pieces the fast path needs")
     obj = {"state": {"w": torch.ones(1000)}}
-    write_state_file(tmp_path, "fast.pt", obj)
+    write_state_file(tmp_path, "fast.pt", obj, direct=False)  # torch's alignment, as the fallback's
     monkeypatch.setattr(_single, "_SKIP_ZIP_CRC", False)
-    write_state_file(tmp_path, "slow.pt", obj)
+    write_state_file(tmp_path, "slow.pt", obj, direct=False)
     with (
         zipfile.ZipFile(tmp_path / "fast.pt") as fast,
         zipfile.ZipFile(tmp_path / "slow.pt") as slow,
@@ -158,6 +158,7 @@ def test_write_error_is_the_real_oserror_and_stops_the_crc_thread(tmp_path, monk
             super().__init__(path, **kw)
             self._f.close()
             self._f = open("/dev/full", "wb")  # noqa: SIM115 - closed by abort()
+            self.direct = False
 
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full")
@@ -196,6 +197,7 @@ def test_empty_and_tiny_files(tmp_path):
 
 
 def test_no_numpy_means_every_big_write_waits_for_its_crc(tmp_path, monkeypatch):
-    monkeypatch.setattr(_files, "_address", lambda view: None)
+    monkeypatch.setattr(_files, "address", lambda view: None)
+    monkeypatch.setattr(_direct, "address", lambda view: None)  # and the direct writer stages by slicing
     entry = write_state_file(tmp_path, "s.pt", {"state": {"w": torch.randn(BIG)}})
     assert entry == _crc_of(tmp_path / "s.pt")

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftkit.checkpoint import CheckpointConfig, make_manager
-from ftkit.checkpoint import _single
+from ftkit.checkpoint import CheckpointConfig, _single, make_manager
 
 
 def _mapped(path: Path) -> list[str]:

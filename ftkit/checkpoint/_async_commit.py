@@ -377,7 +377,8 @@ class RankCommit:
         meta = {"rank": self.rank, "world_size": self.world_size}
         files = {
             name: write_state_file(
-                path, name, {**snapshot.local, **meta}, sync=sync, progress=progress
+                path, name, {**snapshot.local, **meta}, sync=sync, progress=progress,
+                direct=self.ckpt.config.direct_io,
             )
         }
         sharded = snapshot.sharded

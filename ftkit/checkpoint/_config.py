@@ -40,6 +40,12 @@ class CheckpointConfig:
     fsync: bool = True
     """fsync files and directories during the commit. Turn off only for throwaway tests."""
 
+    direct_io: bool | None = None
+    """Write each rank's state file with ``O_DIRECT``, from memory straight to the disk without
+    a copy into the page cache. None: where the filesystem accepts it (else through the page
+    cache, logged once per filesystem); True: required, an error where refused; False: never
+    (try it where a parallel filesystem handles direct writes worse than buffered ones)."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.root, (str, os.PathLike)):
             raise ConfigError(f"checkpoint.root: expected a path, got {self.root!r}")
@@ -60,6 +66,11 @@ class CheckpointConfig:
             raise ConfigError(
                 f"checkpoint.keep_every: must be a positive integer (keep steps that are multiples "
                 f"of it) or None, got {self.keep_every!r}"
+            )
+        if self.direct_io not in (None, True, False):
+            raise ConfigError(
+                f"checkpoint.direct_io: must be None (where the filesystem accepts it), true or "
+                f"false, got {self.direct_io!r}"
             )
         if self.resume not in RESUME_MODES:
             raise ConfigError(

@@ -18,7 +18,9 @@ import queue
 import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
+
+from ._direct import DirectFile, address, open_direct
 
 try:  # the same CRC-32 as zlib's, about 5x faster; releases the GIL like zlib.crc32
     from zlib_ng.zlib_ng import crc32 as crc32
@@ -94,6 +96,10 @@ class HashingWriter:
     queued by reference; other buffers are copied when small, else ``write`` waits until
     their CRC is done. ``close`` flushes and fsyncs while the CRC catches up, then joins the
     thread; ``abort`` stops it without waiting.
+
+    ``direct``: write with ``O_DIRECT`` (:mod:`._direct`), True requires it, None uses it where
+    the filesystem accepts it; :attr:`direct` says whether it is in use. Otherwise the file is
+    written through the page cache, with ``writeback`` bounding how much of it a save occupies.
     """
 
     def __init__(
@@ -102,11 +108,17 @@ class HashingWriter:
         *,
         stable: Iterable[tuple[int, int]] = (),
         writeback: bool = True,
+        direct: bool | None = False,
     ) -> None:
         self.path = Path(path)
-        self._f: BinaryIO = open(self.path, "xb")  # noqa: SIM115 - closed in close()
+        self._f: Any = None
+        if direct is not False:
+            self._f = open_direct(self.path, required=direct is True)
+        self.direct = self._f is not None
+        if self._f is None:
+            self._f = open(self.path, "xb")  # noqa: SIM115 - closed in close()
         self.size = 0
-        self._writeback = writeback and hasattr(os, "posix_fadvise")
+        self._writeback = writeback and not self.direct and hasattr(os, "posix_fadvise")
         self._written_back = 0
         self.error: OSError | None = None  # torch.save turns write errors into RuntimeError
         self._crc = _CrcThread()
@@ -160,7 +172,7 @@ class HashingWriter:
         self._written_back = end
 
     def _is_stable(self, view: memoryview) -> bool:
-        start = _address(view)
+        start = address(view)
         if start is None:
             return False
         i = bisect.bisect_right(self._starts, start) - 1
@@ -188,9 +200,12 @@ class HashingWriter:
             return
         try:
             try:
-                self._f.flush()
-                if sync:
-                    os.fsync(self._f.fileno())  # the CRC thread catches up meanwhile
+                if self.direct:
+                    self._f.close(sync=sync)  # the staged tail, truncate, fsync
+                else:
+                    self._f.flush()
+                    if sync:
+                        os.fsync(self._f.fileno())  # the CRC thread catches up meanwhile
             except OSError as exc:
                 self.error = exc
                 raise
@@ -205,7 +220,10 @@ class HashingWriter:
         """Close without fsync after a failure; the caller leaves the file marked incomplete."""
         self._crc.stop(wait=False)
         with contextlib.suppress(OSError):
-            self._f.close()
+            if isinstance(self._f, DirectFile):
+                self._f.abort()
+            else:
+                self._f.close()
 
     def __enter__(self) -> HashingWriter:
         return self
@@ -263,15 +281,6 @@ class _CrcThread:
         self._thread = None
         if wait and self.error is not None:
             raise RuntimeError(f"CRC-32 thread failed: {self.error}") from self.error
-
-
-def _address(view: memoryview) -> int | None:
-    """Address of a contiguous buffer, or None when it cannot be told (numpy missing)."""
-    try:
-        import numpy as np
-    except ImportError:
-        return None
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, sync: bool = True) -> None:

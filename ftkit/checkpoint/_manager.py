@@ -213,7 +213,8 @@ class Checkpointer:
         files: dict[str, dict] = {}
         try:
             files[name] = write_state_file(
-                path, name, {**snapshot.local, **meta}, sync=self.config.fsync, progress=progress
+                path, name, {**snapshot.local, **meta}, sync=self.config.fsync, progress=progress,
+                direct=self.config.direct_io,
             )
         except OSError as exc:
             if not self.comm.distributed:

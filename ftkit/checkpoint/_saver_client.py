@@ -116,7 +116,8 @@ class ShmBackend:
 
     def _start(self, config: Any, async_config: Any, events: Any, sock_path: Path) -> tuple[IO[bytes], IO[bytes]]:
         fields = {"root": str(config.root), "keep_last": config.keep_last, "keep_every": config.keep_every,
-                  "fsync": config.fsync, "verify_on_load": config.verify_on_load}
+                  "fsync": config.fsync, "verify_on_load": config.verify_on_load,
+                  "direct_io": config.direct_io}
         node = self.node
         cmd = [sys.executable, "-m", "ftkit.checkpoint._saver", "--config", json.dumps(fields),
                "--trainer-pid", str(os.getpid()), "--ranks", ",".join(map(str, node.ranks)),

@@ -4,7 +4,8 @@ Segment layout (``ftkit-snap-<token>-s<slot>-g<generation>``, mode 0600; see ``_
 
     [0, 4096)                header: magic, version, state, seq, step, skeleton offset/length, data offset
     [4096, data_off)         skeleton: pickled {"skeleton", "tensors": [(offset, dtype, shape)], "nbytes"}
-    [data_off, size)         tensor bytes, each at a 64-byte aligned offset
+    [data_off, size)         tensor bytes, each at a 64-byte aligned offset, a 4096-byte
+                             aligned one from 64 KiB up (written with O_DIRECT, ``_direct``)
 
 Commit rule (the crash guarantee): the trainer sets ``state = WRITING`` before it touches the
 slot, copies the tensors, writes the skeleton and the header fields, and only then sets
@@ -42,6 +43,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from ._direct import ALIGN_MIN
 
 __all__ = ["PREFIX", "Segment", "SlotMap", "SlotView", "read_slot"]
 
@@ -83,11 +85,14 @@ class Segment:
         self.data_off = _PAGE + self.skeleton_capacity
         offsets, end = [], self.data_off
         for _, shape, dtype in layout:
-            offsets.append(end)
             numel = 1
             for n in shape:
                 numel *= n
-            end = _round(end + numel * dtype.itemsize, _ALIGN)
+            nbytes = numel * dtype.itemsize
+            if nbytes >= ALIGN_MIN:  # on a page: an O_DIRECT write sends it without a copy
+                end = _round(end, _PAGE)
+            offsets.append(end)
+            end = _round(end + nbytes, _ALIGN)
         self.size = _round(max(end, self.data_off + _ALIGN), _PAGE)
         self.table = [(off, str(dtype).removeprefix("torch."), list(shape)) for off, (_, shape, dtype) in zip(offsets, layout, strict=True)]
         self._registered = False

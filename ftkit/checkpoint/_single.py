@@ -6,7 +6,9 @@ is written without torch's own per-record zip CRC-32s, which ``torch.load`` neve
 which cost a full extra pass over the data in the writing thread; the manifest's CRC-32
 of the whole file replaces them. The zip CRC fields are therefore 0 (``unzip -t`` complains).
 Should a torch release change the private serializer entry points used for this, the file
-is written with plain ``torch.save`` (same format, zip CRCs filled in, slower).
+is written with plain ``torch.save`` (same format, zip CRCs filled in, slower). Where the
+filesystem accepts it the file is written with ``O_DIRECT`` (:mod:`._direct`), its tensor
+records aligned to 4096 bytes instead of torch's 64.
 
 Reading never unpickles arbitrary objects: ``torch.load(weights_only=True)`` only. With
 ``verify=True`` the file's CRC-32 is recomputed (one sequential read) and compared with the
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from ._direct import BLOCK
 from ._files import CHECKSUM, HashingWriter
 from ._manifest import verify_files
 
@@ -65,12 +68,14 @@ def _torch_save(payload: Any, writer: HashingWriter) -> None:
     Same steps as ``torch.save`` to a file object (pickle protocol, storage alignment,
     byteorder record), but with ``compute_crc32=False`` for this one writer instead of
     flipping torch's process-wide ``set_crc32_options``, which would race with other threads.
+    A direct writer gets records aligned to its block (4096), so that page-aligned tensors go
+    to the disk without a copy (``torch.load`` reads any alignment).
     """
     ser = torch.serialization
     if not _SKIP_ZIP_CRC:
         torch.save(payload, writer)  # type: ignore[arg-type]  # a binary file-like object
         return
-    alignment = ser._get_storage_alignment()
+    alignment = max(BLOCK, ser._get_storage_alignment()) if writer.direct else ser._get_storage_alignment()
     zip_file = torch._C.PyTorchFileWriter(writer, False, alignment)  # type: ignore[call-overload]
     ser._save(payload, zip_file, pickle, ser.DEFAULT_PROTOCOL, False)
     zip_file.write_end_of_file()
@@ -115,11 +120,15 @@ def write_state_file(
     *,
     sync: bool = True,
     progress: WriteProgress | None = None,
+    direct: bool | None = None,
 ) -> dict[str, Any]:
-    """``torch.save`` ``obj`` to ``directory/name``; return its manifest entry (size, crc32)."""
+    """``torch.save`` ``obj`` to ``directory/name``; return its manifest entry (size, crc32).
+
+    ``direct``: write with O_DIRECT (``checkpoint.direct_io``: None where the filesystem
+    accepts it, True required, False never)."""
     payload = {"format": FILE_FORMAT, "version": 1, **obj}
     # the snapshot's tensors outlive the save: the CRC thread may read them after write returns
-    writer = HashingWriter(directory / name, stable=_storage_ranges(payload), writeback=sync)
+    writer = HashingWriter(directory / name, stable=_storage_ranges(payload), writeback=sync, direct=direct)
     if progress is not None:
         progress.writer = writer
     try:

@@ -1,0 +1,208 @@
+"""State files written with O_DIRECT (``ftkit.checkpoint._direct``), on real files.
+
+The bytes on disk are exactly the bytes written, for any mix of sizes and addresses (aligned
+buffers go to the disk from where they are, the rest through the staging buffer); the file
+descriptor really has O_DIRECT; a torch.save archive gets 4096-aligned records and the async
+snapshot's buffers are written without a copy; a filesystem that refuses O_DIRECT falls back
+to the page cache (or is an error naming ``checkpoint.direct_io`` when direct I/O is
+required); ENOSPC on a real full filesystem is reported as ENOSPC.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import random
+import struct
+import subprocess
+import zipfile
+import zlib
+
+import pytest
+import torch
+
+from ftkit.checkpoint import CheckpointConfig, _direct
+from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
+from ftkit.checkpoint._async_buffers import BufferSet, layout_of
+from ftkit.checkpoint._direct import BLOCK, DirectFile, aligned_empty, open_direct
+from ftkit.checkpoint._files import HashingWriter
+from ftkit.checkpoint._shm import Segment
+from ftkit.checkpoint._single import read_state_file, write_state_file
+from ftkit.errors import CheckpointError, ConfigError
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux-only")
+
+
+def _record_offsets(path) -> dict[str, int]:
+    """File offset of each zip record's data, read from its local header."""
+    out = {}
+    with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+        for info in z.infolist():
+            f.seek(info.header_offset)
+            name_len, extra_len = struct.unpack("<HH", f.read(30)[26:30])
+            out[info.filename] = info.header_offset + 30 + name_len + extra_len
+    return out
+
+
+def _count_copies(monkeypatch) -> list[int]:
+    """Record the size of every copy into the staging buffer."""
+    copies: list[int] = []
+    real = _direct.ctypes.memmove
+
+    def memmove(dst, src, n):
+        copies.append(n)
+        return real(dst, src, n)
+
+    monkeypatch.setattr(_direct.ctypes, "memmove", memmove)
+    return copies
+
+
+def test_any_mix_of_writes_lands_byte_for_byte(tmp_path):
+    rng = random.Random(4)
+    page = mmap.mmap(-1, 64 << 20)  # page-aligned source: slices of it are aligned or not at will
+    page[:] = rng.randbytes(64 << 20)
+    for trial in range(12):
+        path = tmp_path / f"f{trial}"
+        f = open_direct(path, required=True)
+        assert f is not None
+        assert fcntl.fcntl(f.fileno(), fcntl.F_GETFL) & os.O_DIRECT  # really direct
+        expect = bytearray()
+        for _ in range(rng.randint(0, 30)):
+            kind = rng.choice(["tiny", "aligned", "unaligned", "huge", "blocks"])
+            if kind == "tiny":
+                data: object = rng.randbytes(rng.randint(0, 300))
+            elif kind == "blocks":  # whole blocks at an aligned address, maybe with a tail
+                start = rng.randrange(0, 1000) * BLOCK
+                data = memoryview(page)[start : start + rng.randint(1, 40) * BLOCK + rng.choice([0, 17])]
+            elif kind == "aligned":
+                start = rng.randrange(0, 4000) * BLOCK
+                data = memoryview(page)[start : start + rng.randint(BLOCK, 3 << 20)]
+            elif kind == "unaligned":
+                start = rng.randrange(1, 1 << 20)
+                data = memoryview(page)[start : start + rng.randint(1, 3 << 20)]
+            else:  # more than the staging buffer, from an unaligned address
+                start = rng.randrange(1, BLOCK)
+                data = memoryview(page)[start : start + (20 << 20) + rng.randint(0, BLOCK)]
+            assert f.write(data) == len(bytes(data))
+            expect += bytes(data)
+        f.close()
+        assert f.size == len(expect)
+        assert path.read_bytes() == bytes(expect), f"trial {trial}"
+
+
+def test_empty_file_and_exact_blocks(tmp_path):
+    f = open_direct(tmp_path / "empty", required=True)
+    f.close()
+    assert (tmp_path / "empty").stat().st_size == 0
+    buf = aligned_empty((3 * BLOCK,), torch.uint8)
+    buf.copy_(torch.randint(0, 255, (3 * BLOCK,), dtype=torch.uint8))
+    f = open_direct(tmp_path / "blocks", required=True)
+    f.write(memoryview(buf.numpy()))
+    f.close()
+    assert (tmp_path / "blocks").read_bytes() == bytes(buf.numpy())
+
+
+def test_state_file_records_are_page_aligned_and_aligned_tensors_are_not_copied(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    big = aligned_empty((1024, 1024), torch.float32)  # 4 MiB, as the snapshot's buffers are
+    big.copy_(torch.randn(1024, 1024))
+    state = {"big": big, "small": torch.randn(10), "odd": torch.randint(0, 9, (70001,), dtype=torch.uint8)}
+    copies = _count_copies(monkeypatch)
+    entry = write_state_file(tmp_path, "s.pt", {"state": state}, direct=True)
+    data = (tmp_path / "s.pt").read_bytes()
+    assert entry == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    # only headers, the small tensors and the odd tail were staged, never the 4 MiB tensor
+    assert sum(copies) < 200_000, copies
+    offsets = _record_offsets(tmp_path / "s.pt")
+    assert all(off % BLOCK == 0 for name, off in offsets.items() if "/data/" in name), offsets
+    got = read_state_file(tmp_path, "s.pt", entry, verify=True, mmap=True)["state"]
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    assert torch.equal(torch.load(tmp_path / "s.pt", weights_only=True)["state"]["big"], big)
+
+    plain = write_state_file(tmp_path, "p.pt", {"state": state}, direct=False)  # torch's 64
+    assert not all(off % BLOCK == 0 for name, off in _record_offsets(tmp_path / "p.pt").items() if "/data/" in name)
+    assert plain["size"] < entry["size"]
+
+
+def test_async_snapshot_buffers_and_shm_slots_are_page_aligned(tmp_path, monkeypatch):
+    tensors = [("a", torch.randn(256, 257)), ("b", torch.randn(3)), ("c", torch.randn(100, 1000))]
+    bufs = BufferSet().buffers_for(tensors)
+    assert bufs[0].data_ptr() % BLOCK == 0 and bufs[2].data_ptr() % BLOCK == 0  # from 64 KiB up
+    seg = Segment(tmp_path, "t", 0, 0, layout_of(tensors), 0)  # the crash-safe slot
+    try:
+        assert [off % BLOCK == 0 for off, _, _ in seg.table] == [True, False, True]
+    finally:
+        seg.close()
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 3))
+    for crash_safe in (False, True):
+        root = tmp_path / f"ck-{crash_safe}"
+        copies = _count_copies(monkeypatch) if not crash_safe else None  # the saver is another process
+        mgr = AsyncCheckpointer(CheckpointConfig(root=root, direct_io=True),
+                                async_config=AsyncConfig(crash_safe=crash_safe))
+        try:
+            mgr.save(5, {"model": model})
+            mgr.wait()
+        finally:
+            mgr.close()
+        path = root / "step-00000005" / "rank-00000.pt"
+        offsets = _record_offsets(path)
+        weight = [off for name, off in offsets.items() if "/data/" in name]
+        assert weight and all(off % BLOCK == 0 for off in weight)
+        if copies is not None:  # the 1 MiB weight went to the disk from the buffer itself
+            assert sum(copies) < 100_000, copies
+
+
+def test_refused_o_direct_falls_back_or_fails_by_the_setting(tmp_path, monkeypatch, caplog):
+    # No filesystem here refuses O_DIRECT (ext4 and tmpfs on Linux >= 6.6 accept it), so the
+    # refusal is made as Linux makes it: the file is created, then open fails with EINVAL.
+    real_open = os.open
+
+    def refusing_open(path, flags, mode=0o777, **kw):
+        if flags & os.O_DIRECT:
+            os.close(real_open(path, flags & ~os.O_DIRECT, mode))
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, mode, **kw)
+
+    monkeypatch.setattr(_direct.os, "open", refusing_open)
+    monkeypatch.setattr(_direct, "_refused", {})
+    state = {"state": {"w": torch.randn(70_000)}}
+    with pytest.raises(CheckpointError, match=r"checkpoint\.direct_io=True") as err:
+        write_state_file(tmp_path, "req.pt", state, direct=True)
+    assert str(tmp_path) in str(err.value)
+    assert not (tmp_path / "req.pt").exists()  # the half-opened file is not left behind
+    with caplog.at_level(logging.INFO, logger="ftkit.checkpoint._direct"):
+        entry = write_state_file(tmp_path, "auto.pt", state, direct=None)
+        write_state_file(tmp_path, "auto2.pt", state, direct=None)
+    refusals = [r for r in caplog.records if "refuses O_DIRECT" in r.getMessage()]
+    assert len(refusals) == 1 and str(tmp_path) in refusals[0].getMessage()  # once per filesystem
+    assert entry["size"] == (tmp_path / "auto.pt").stat().st_size
+    assert torch.equal(read_state_file(tmp_path, "auto.pt", entry)["state"]["w"], state["state"]["w"])
+    w = HashingWriter(tmp_path / "h", direct=None)
+    assert not w.direct
+    w.close()
+
+
+def test_enospc_on_a_full_filesystem_is_enospc(tmp_path):
+    assert os.geteuid() == 0, "this machine runs the tests as root (mounts a 2 MiB tmpfs)"
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    try:
+        buf = aligned_empty((4 << 20,), torch.uint8)
+        f = open_direct(mnt / "big", required=True)
+        assert isinstance(f, DirectFile)
+        with pytest.raises(OSError) as err:
+            f.write(memoryview(buf.numpy()))
+            f.close()
+        f.abort()
+        assert err.value.errno == errno.ENOSPC
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_direct_io_setting_is_checked():
+    with pytest.raises(ConfigError, match=r"checkpoint\.direct_io"):
+        CheckpointConfig(root="/tmp/x", direct_io="yes")  # type: ignore[arg-type]
