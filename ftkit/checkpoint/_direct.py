@@ -102,8 +102,7 @@ def open_direct(path: Path, *, required: bool) -> DirectFile | None:
                 "set checkpoint.direct_io to None (use it where available) or False"
             )
         return None
-    dev = os.stat(path.parent).st_dev
-    if dev in _refused and not required:
+    if _refused and not required and os.stat(path.parent).st_dev in _refused:
         return None
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | flag, 0o666)
@@ -118,6 +117,7 @@ def open_direct(path: Path, *, required: bool) -> DirectFile | None:
                 f"checkpoint.direct_io=True but the filesystem of {path.parent} refuses O_DIRECT "
                 f"({exc.strerror}); set checkpoint.direct_io to None (use it where available) or False"
             ) from exc
+        dev = os.stat(path.parent).st_dev
         if dev not in _refused:
             log.info("the filesystem of %s refuses O_DIRECT (%s); checkpoints there are written "
                      "through the page cache", path.parent, exc.strerror)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from ._direct import ALIGN_MIN, aligned_empty
 
 __all__ = [
     "Snapshot",
@@ -63,8 +64,14 @@ class _Copier:
     def __call__(self, value: Any, where: str) -> Any:
         if isinstance(value, torch.Tensor):
             t = value.detach()
-            out = t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
-            self.nbytes += out.numel() * out.element_size()
+            nbytes = t.numel() * t.element_size()
+            if (nbytes >= ALIGN_MIN and t.layout == torch.strided and t.device.type in ("cpu", "cuda")
+                    and t.is_contiguous()):
+                out = aligned_empty(tuple(t.shape), t.dtype)  # on a page: written with O_DIRECT as is
+                out.copy_(t)
+            else:
+                out = t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
+            self.nbytes += nbytes
             return out
         if isinstance(value, _PLAIN):
             return value
