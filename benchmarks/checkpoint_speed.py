@@ -27,15 +27,16 @@ pages it runs through). The raw writes:
 
 * ``plain``: os.write of the state's tensors (the same memory a checkpoint writer reads) + fsync;
 * ``evict``: the same with the early writeback + eviction of written-back pages that ftkit's
-  writer does (``posix_fadvise(DONTNEED)`` every 64 MiB, reaching back 128 MiB). Without the
-  eviction a write takes its whole size in fresh page-cache pages, which on a VM whose first
-  touch of memory is slow (free page reporting: ~2 s/GiB measured) bounds it far below the disk;
+  buffered writer does, its fallback where a filesystem refuses O_DIRECT
+  (``posix_fadvise(DONTNEED)`` every 64 MiB, reaching back 128 MiB). Without the eviction a
+  write takes its whole size in fresh page-cache pages, which on a VM whose first touch of
+  memory is slow (free page reporting: ~2 s/GiB measured) bounds it far below the disk;
 * ``direct``: os.write with ``O_DIRECT`` (no page cache; the device reads the memory) from
   page-aligned copies of the same tensors, as ftkit's writer does where the filesystem accepts it;
 * ``cached``: as ``evict``, but from one 16 MiB buffer written over and over, as ``dd`` does.
-  It stays in the CPU cache, so on a disk as fast as memory (this VM's, ~2.5 GB/s) it beats
-  any writer of a state that lives in memory (measured 10-15% faster than ``evict`` at 3 GB);
-  its ratio is printed for reference, not as the goal.
+  It stays in the CPU cache, so on a disk as fast as memory (this VM's, ~2.5 GB/s) it can beat
+  a buffered writer of a state that lives in memory; its ratio is printed for reference, not as
+  the goal.
 
 A raw write measured elsewhere (another process, reusing the pages of a file it just deleted)
 can be 5x faster or slower than one measured beside the persist.
