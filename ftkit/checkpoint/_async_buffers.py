@@ -127,7 +127,7 @@ class BufferSet:
             buf = self.buffers.get(where)
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
                 pin = self.pin and t.device.type == "cuda"
-                if not pin and _nbytes(t) >= ALIGN_MIN:  # on a page: O_DIRECT writes it as is
+                if not pin and _nbytes(t) >= ALIGN_MIN and not t.is_quantized:  # on a page: O_DIRECT writes it as is
                     buf = aligned_empty(tuple(t.shape), t.dtype)
                 else:
                     buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)

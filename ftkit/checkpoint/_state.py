@@ -66,7 +66,7 @@ class _Copier:
             t = value.detach()
             nbytes = t.numel() * t.element_size()
             if (nbytes >= ALIGN_MIN and t.layout == torch.strided and t.device.type in ("cpu", "cuda")
-                    and t.is_contiguous()):
+                    and not t.is_quantized and t.is_contiguous()):
                 out = aligned_empty(tuple(t.shape), t.dtype)  # on a page: written with O_DIRECT as is
                 out.copy_(t)
             else:
