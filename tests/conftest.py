@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -49,6 +50,19 @@ def no_leaks():
             break
         time.sleep(0.05)
     pytest.fail(f"test leaked threads {[t.name for t in extra_threads]} or child processes {extra_children}")
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 2 MiB tmpfs (a full disk within a few writes); mounting it needs root."""
+    assert os.geteuid() == 0, "this machine runs the tests as root (mounts a 2 MiB tmpfs)"
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):

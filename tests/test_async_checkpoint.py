@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import random
 import subprocess
 import sys
@@ -171,18 +170,6 @@ def test_buffers_are_reused_across_saves(tmp_path, crash_safe):
 
 
 # ---------------------------------------------------------------- failures are loud
-@pytest.fixture
-def small_fs(tmp_path):
-    assert os.geteuid() == 0, "this machine runs the tests as root (mounts a 2 MiB tmpfs)"
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 @pytest.mark.parametrize("crash_safe", [False, True], ids=["thread", "shm-saver"])
 @pytest.mark.parametrize("report", ["on_step", "save", "pending_error", "wait"])
 def test_enospc_in_background_is_reported_and_harms_nothing(small_fs, crash_safe, report):
