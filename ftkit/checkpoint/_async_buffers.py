@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ._direct import ALIGN_MIN, aligned_empty
+from ._direct import aligned_like
 from ._state import Snapshot, capture_rng, is_stateful
 
 __all__ = ["BufferSet", "Copier", "Ref", "flatten", "layout_of", "materialize"]
@@ -108,7 +108,8 @@ class BufferSet:
 
     Pinned buffers (``pin=True``, only when CUDA is available) make device-to-host copies
     asynchronous; other buffers from 64 KiB up start on a page, so that the persist writes them
-    with O_DIRECT without a copy (:mod:`._direct`). ``allocations`` counts buffers ever allocated (tests check it stays flat).
+    with O_DIRECT without a copy (:mod:`._direct`). ``allocations`` counts buffers ever
+    allocated (tests check it stays flat).
     """
 
     def __init__(self, *, pin: bool = False) -> None:
@@ -127,9 +128,8 @@ class BufferSet:
             buf = self.buffers.get(where)
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
                 pin = self.pin and t.device.type == "cuda"
-                if not pin and _nbytes(t) >= ALIGN_MIN and not t.is_quantized:  # on a page: O_DIRECT writes it as is
-                    buf = aligned_empty(tuple(t.shape), t.dtype)
-                else:
+                buf = None if pin else aligned_like(t)  # on a page: O_DIRECT writes it as is
+                if buf is None:
                     buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
                 self.buffers[where] = buf
                 self.allocations += 1

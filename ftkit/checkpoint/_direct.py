@@ -41,7 +41,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 
-__all__ = ["BLOCK", "DirectFile", "address", "aligned_empty", "open_direct"]
+__all__ = ["BLOCK", "DirectFile", "address", "aligned_empty", "aligned_like", "open_direct"]
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +71,21 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any) -> Any:
     numel = 1
     for n in shape:
         numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     mapping = mmap.mmap(-1, max(nbytes, 1))
     flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)  # keeps `mapping` alive
     return flat.view(dtype).view(shape)
+
+
+def aligned_like(t: Any) -> Any:
+    """A page-aligned host buffer of ``t``'s shape and dtype (:func:`aligned_empty`) where
+    O_DIRECT gains from one: ``t`` from :data:`ALIGN_MIN` up, strided, not quantized (a plain
+    buffer cannot hold a quantized tensor). None otherwise: the caller allocates as it did."""
+    import torch
+
+    if t.layout != torch.strided or t.is_quantized or t.numel() * t.element_size() < ALIGN_MIN:
+        return None
+    return aligned_empty(tuple(t.shape), t.dtype)
 
 
 def _take_stage() -> tuple[mmap.mmap, int]:

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ._direct import DirectFile, address, open_direct
+from ._direct import address, open_direct
 
 try:  # the same CRC-32 as zlib's, about 5x faster; releases the GIL like zlib.crc32
     from zlib_ng.zlib_ng import crc32 as crc32
@@ -220,7 +220,7 @@ class HashingWriter:
         """Close without fsync after a failure; the caller leaves the file marked incomplete."""
         self._crc.stop(wait=False)
         with contextlib.suppress(OSError):
-            if isinstance(self._f, DirectFile):
+            if self.direct:
                 self._f.abort()
             else:
                 self._f.close()

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ._direct import ALIGN_MIN, aligned_empty
+from ._direct import aligned_like
 
 __all__ = [
     "Snapshot",
@@ -64,14 +64,13 @@ class _Copier:
     def __call__(self, value: Any, where: str) -> Any:
         if isinstance(value, torch.Tensor):
             t = value.detach()
-            nbytes = t.numel() * t.element_size()
-            if (nbytes >= ALIGN_MIN and t.layout == torch.strided and t.device.type in ("cpu", "cuda")
-                    and not t.is_quantized and t.is_contiguous()):
-                out = aligned_empty(tuple(t.shape), t.dtype)  # on a page: written with O_DIRECT as is
+            dense = t.device.type in ("cpu", "cuda") and t.layout == torch.strided and t.is_contiguous()
+            out = aligned_like(t) if dense else None  # on a page: written with O_DIRECT as is
+            if out is not None:
                 out.copy_(t)
-            else:
+            else:  # clone keeps the strides of a non-contiguous tensor
                 out = t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
-            self.nbytes += nbytes
+            self.nbytes += t.numel() * t.element_size()
             return out
         if isinstance(value, _PLAIN):
             return value
