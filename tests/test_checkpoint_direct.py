@@ -17,6 +17,8 @@ import mmap
 import os
 import random
 import struct
+import subprocess
+import sys
 import warnings
 import zipfile
 import zlib
@@ -153,6 +155,48 @@ def test_async_snapshot_buffers_and_shm_slots_are_page_aligned(tmp_path, monkeyp
         assert weight and all(off % BLOCK == 0 for off in weight)
         if copies is not None:  # the 1 MiB weight went to the disk from the buffer itself
             assert sum(copies) < 100_000, copies
+
+
+_HUGE_PROGRAM = r"""
+import os, sys, torch
+from ftkit.checkpoint._direct import aligned_empty
+big = aligned_empty((1536, 1024), torch.float32)  # 6 MiB: three 2 MiB pieces
+small = aligned_empty((100, 1000), torch.float32)  # 400 KiB: pages only
+big.fill_(1.5); small.fill_(2.5)
+lo, hi = big.data_ptr(), big.data_ptr() + big.numel() * 4
+huge = 0  # AnonHugePages of the mapping that holds `big`
+with open("/proc/self/smaps") as f:
+    inside = False
+    for line in f:
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= lo < end
+        elif inside and head == "AnonHugePages:":
+            huge = int(line.split()[1]) << 10
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:  # a forked child (a DataLoader worker) sees zeros, not a copy-on-write share
+    os.write(w, f"{big[0, 0].item()} {big[-1, -1].item()} {small[5, 5].item()}".encode())
+    os._exit(0)
+os.waitpid(pid, 0)
+print(big.data_ptr() % (2 << 20), small.data_ptr() % 4096, huge, os.read(r, 100).decode(), big[0, 0].item())
+"""
+
+
+def test_host_buffers_are_huge_page_aligned_and_not_shared_with_a_forked_child():
+    """From 2 MiB up a buffer starts on a 2 MiB boundary and, where the kernel's THP mode
+    allows it, lies in huge pages (a device reads them in large segments); a child forked
+    after the snapshot sees zeros there while the parent keeps its values."""
+    out = subprocess.run([sys.executable, "-c", _HUGE_PROGRAM], capture_output=True, text=True,
+                         check=True).stdout.split()
+    big_off, small_off, huge, child, parent = int(out[0]), int(out[1]), int(out[2]), out[3:6], out[6]
+    assert (big_off, small_off) == (0, 0)
+    assert child == ["0.0", "0.0", "0.0"] and parent == "1.5"
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        mode = f.read()
+    if "[always]" in mode or "[madvise]" in mode:  # else 4 KiB pages are all there is
+        assert huge == 6 << 20, f"THP mode {mode.strip()!r} but {huge} bytes in huge pages"
 
 
 def test_refused_o_direct_falls_back_or_fails_by_the_setting(tmp_path, monkeypatch, caplog):
