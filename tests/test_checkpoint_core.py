@@ -63,6 +63,36 @@ def test_commit_layout_and_manifest(tmp_path):
     assert validate_dir(step_dir, checksums=True).valid
 
 
+def test_each_fsync_comes_after_what_it_must_make_durable(tmp_path, monkeypatch):
+    """The commit's fsyncs, recorded with what the directory held at each: the data before the
+    manifest exists, the manifest's temp file before its rename, the step directory once the
+    manifest is in and the sentinel gone, the root last (the step directory's own entry)."""
+    root = tmp_path / "checkpoints"
+    mgr = make_mgr(root)
+    mgr.save(1, small_state(1))  # the root exists before the recorded save
+    step_dir = root / "step-00000002"
+    real_fsync, seen = os.fsync, []
+
+    def record(fd):
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        names = sorted(os.listdir(step_dir)) if step_dir.is_dir() else []
+        latest = (root / "latest").read_text().strip()
+        seen.append((os.path.relpath(target, root), names, latest))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    mgr.save(2, small_state(2))
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    targets = [t for t, _, _ in seen]
+    assert targets[0] == "step-00000002/rank-00000.pt" and "manifest.json" not in seen[0][1]
+    assert targets[1].startswith("step-00000002/.manifest.json.tmp-")
+    assert seen[1][1] == [targets[1].split("/")[1], "checkpoint-is-incomplete", "rank-00000.pt"]
+    assert seen[2][:2] == ("step-00000002", ["manifest.json", "rank-00000.pt"])
+    assert targets[3].startswith(".latest.tmp-")
+    assert seen[4] == (".", ["manifest.json", "rank-00000.pt"], "step-00000002")
+    assert len(seen) == 5, targets  # docs/format.md: five fsyncs per save with one rank
+
+
 def test_full_state_round_trip(tmp_path):
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)

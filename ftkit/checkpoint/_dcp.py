@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..errors import CheckpointError
-from ._files import CHECKSUM, crc32_file
+from ._files import CHECKSUM, crc32_file, fsync_dir
 from ._layout import DCP_DIR
 from ._state import clone_tensors
 
@@ -97,6 +97,8 @@ def save_sharded(
     target = directory / DCP_DIR
     writer = dcp.FileSystemWriter(target, sync_files=sync)
     dcp.save(sharded, storage_writer=writer, process_group=pg)
+    if sync:  # the files' entries in dcp/ (DCP fsyncs the files themselves)
+        fsync_dir(target)
     rank = _group_rank(pg)
     prefix = f"__{rank}_"
     files: dict[str, dict[str, Any]] = {}

@@ -283,8 +283,12 @@ class _CrcThread:
             raise RuntimeError(f"CRC-32 thread failed: {self.error}") from self.error
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, sync: bool = True) -> None:
-    """Write ``data`` to a temporary sibling, fsync, then ``os.replace`` it over ``path``."""
+def atomic_write_bytes(
+    path: str | os.PathLike[str], data: bytes, *, sync: bool = True, sync_dir: bool = True
+) -> None:
+    """Write ``data`` to a temporary sibling, fsync, then ``os.replace`` it over ``path`` and
+    fsync the directory. ``sync_dir=False`` leaves the directory's fsync to a caller that
+    changes more entries there first and then fsyncs them all at once."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -298,5 +302,5 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, sync: bool 
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    if sync:
+    if sync and sync_dir:
         fsync_dir(path.parent)

@@ -69,9 +69,11 @@ def build_manifest(
     }
 
 
-def write_manifest(directory: Path, manifest: Mapping[str, Any], *, sync: bool = True) -> None:
+def write_manifest(
+    directory: Path, manifest: Mapping[str, Any], *, sync: bool = True, sync_dir: bool = True
+) -> None:
     data = (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
-    atomic_write_bytes(directory / MANIFEST, data, sync=sync)
+    atomic_write_bytes(directory / MANIFEST, data, sync=sync, sync_dir=sync_dir)
 
 
 def _safe_relpath(name: str) -> bool:
