@@ -1,6 +1,6 @@
 """O_DIRECT write speed of the same bytes from four kinds of memory, side by side.
 
-    python benchmarks/direct_sources.py [--mb 256] [--rounds 9] [--dir DIR] [--settle S] [--churn-gb G]
+    python benchmarks/direct_sources.py [--mb 256] [--rounds 9] [--dir DIR] [--settle S] [--fragment-gb G] [--shm-dir DIR]
 
 With ``O_DIRECT`` the device reads a buffer where it is, and the block layer merges physically
 adjacent pages into one segment; pages scattered in physical memory make many small requests.
@@ -11,13 +11,17 @@ This benchmark writes the same ``--mb`` of random bytes (16 MiB buffers, the siz
   2 MiB boundary, advised into transparent huge pages;
 * ``private`` private anonymous mappings in 4 KiB pages (``MADV_NOHUGEPAGE``);
 * ``shared``  shared anonymous mappings (shmem pages: what ftkit's buffers were before);
-* ``devshm``  a file in ``/dev/shm`` mapped shared, as the crash-safe saver's segment
-  (``AsyncConfig(crash_safe=True)``) is.
+* ``devshm``  a file in ``/dev/shm`` (``--shm-dir``) mapped shared, as the crash-safe saver's
+  segment (``AsyncConfig(crash_safe=True)``, ``shm_dir``) is, its space reserved with
+  ``posix_fallocate`` as the segment's is. On a tmpfs mounted with ``huge=always`` or
+  ``huge=within_size`` that reservation takes huge pages.
 
-How scattered fresh pages are depends on what the process did before: ``--churn-gb`` (default
-0.25) first builds the state ``checkpoint_speed.py`` builds (model + Adam state of that size;
-the temporaries freed by its Adam step leave the free pages scattered), as its workers do
-before their first snapshot; ``--churn-gb 0`` allocates from a quiet process.
+How scattered fresh pages are depends on the free memory the kernel has: after a process has
+run a while, freed pages whose neighbours are still in use are handed out first, one here, one
+there. ``--fragment-gb G`` (default 2) makes that state on purpose: it maps G GB in 4 KiB
+pages, then frees every other page and keeps the rest until the end, so the small-page kinds
+get pages with no physical neighbour (the worst case; a huge page comes from an intact 2 MiB
+block all the same). ``--fragment-gb 0`` allocates from the machine's free memory as it is.
 
 Rounds rotate the order; each write follows the same preparation (``sync``, dropped page cache
 when root, a pause). Prints the median MB/s of each, its ratio to ``huge``, and where
@@ -39,7 +43,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checkpoint_speed import _build, _raw_write, _settle  # the same raw writer and state
+from checkpoint_speed import _raw_write, _settle  # the same raw writer
 
 CHUNK = 16 << 20
 
@@ -62,6 +66,21 @@ def _runs(view: memoryview) -> int | None:
     return 1 + sum(b != a + 1 for a, b in itertools.pairwise(pfns))
 
 
+def _fragment(nbytes: int) -> mmap.mmap | None:
+    """Map ``nbytes`` in 4 KiB pages, touch them, free every other one; keep the mapping."""
+    if nbytes <= 0:
+        return None
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError, AttributeError):
+        m.madvise(mmap.MADV_NOHUGEPAGE)
+    page = mmap.PAGESIZE
+    for off in range(0, nbytes, page):
+        m[off] = 1
+    for off in range(0, nbytes, 2 * page):
+        m.madvise(mmap.MADV_DONTNEED, off, page)
+    return m
+
+
 def _sources(kind: str, count: int, data: bytes, shm_dir: Path) -> list[memoryview]:
     import torch
 
@@ -82,7 +101,7 @@ def _sources(kind: str, count: int, data: bytes, shm_dir: Path) -> list[memoryvi
         else:
             fd, name = tempfile.mkstemp(dir=shm_dir, prefix="ftkit-direct-sources-")
             os.unlink(name)  # the mapping keeps the pages
-            os.ftruncate(fd, CHUNK)
+            os.posix_fallocate(fd, 0, CHUNK)
             view = memoryview(mmap.mmap(fd, CHUNK))
             os.close(fd)
         view[:] = data[i * CHUNK : (i + 1) * CHUNK]
@@ -96,17 +115,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--dir", type=Path, default=None, help="where the files go (default: a temp dir here)")
     ap.add_argument("--settle", type=float, default=1.0)
-    ap.add_argument("--churn-gb", type=float, default=0.25,
-                    help="build checkpoint_speed's model + Adam state of this size first (0: none)")
+    ap.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"), help="tmpfs for the devshm kind")
+    ap.add_argument("--fragment-gb", type=float, default=2.0,
+                    help="map this much in 4 KiB pages and free every other page first (0: no)")
     args = ap.parse_args()
-    import torch
-
-    torch.set_num_threads(2)
-    churn = _build(args.churn_gb) if args.churn_gb > 0 else None
+    holes = _fragment(int(args.fragment_gb * (1 << 30)))
     count = max(1, args.mb // 16)
     data = os.urandom(count * CHUNK)
     kinds = ["huge", "private", "shared", "devshm"]
-    sources = {k: _sources(k, count, data, Path("/dev/shm")) for k in kinds}
+    sources = {k: _sources(k, count, data, args.shm_dir) for k in kinds}
     runs = {k: [_runs(v) for v in vs] for k, vs in sources.items()}
     times: dict[str, list[float]] = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory(dir=args.dir or Path.cwd(), prefix=".direct-sources-") as tmp:
@@ -119,7 +136,7 @@ def main() -> None:
     nbytes = count * CHUNK
     best = statistics.median(times["huge"])
     print(f"O_DIRECT write + fsync of {nbytes / 1e6:.0f} MB in 16 MiB writes, {args.rounds} rounds, "
-          f"after a {args.churn_gb} GB state was built, medians (runs):")
+          f"{args.fragment_gb} GB fragmented first, devshm in {args.shm_dir}, medians (runs):")
     for kind in kinds:
         med = statistics.median(times[kind])
         phys = runs[kind]
@@ -127,7 +144,7 @@ def main() -> None:
                  if all(r is not None for r in phys) else "physical layout not readable (not root)")
         print(f"  {kind:<8} {nbytes / med / 1e6:6.0f} MB/s  time / huge's {med / best:4.2f}  {where}  "
               f"({', '.join(f'{t:.3f}' for t in times[kind])})")
-    del churn
+    del holes
 
 
 if __name__ == "__main__":
