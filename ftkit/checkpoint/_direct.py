@@ -87,8 +87,12 @@ def _anonymous(nbytes: int) -> tuple[mmap.mmap, int]:
     offset = 0
     if huge:
         offset = -ctypes.addressof(ctypes.c_char.from_buffer(mapping)) % HUGE
-        with contextlib.suppress(OSError, AttributeError):  # a hint: 4 KiB pages without it
-            mapping.madvise(mmap.MADV_HUGEPAGE, offset, nbytes - nbytes % HUGE)
+        whole = nbytes - nbytes % HUGE
+        with contextlib.suppress(OSError, AttributeError):  # hints: 4 KiB pages without them
+            mapping.madvise(mmap.MADV_HUGEPAGE, offset, whole)
+            # the last partial piece stays in small pages: with THP "always" a huge page there
+            # would also make up to 2 MiB of the slack beyond the buffer resident
+            mapping.madvise(mmap.MADV_NOHUGEPAGE, offset + whole, len(mapping) - offset - whole)
     for advice in (_MADV_WIPEONFORK, getattr(mmap, "MADV_DONTFORK", None)):
         try:  # Linux >= 4.14 wipes; older kernels leave the mapping out of the child
             if advice is not None:
