@@ -19,6 +19,8 @@ import random
 import struct
 import subprocess
 import sys
+import threading
+import time
 import warnings
 import zipfile
 import zlib
@@ -62,10 +64,17 @@ def _count_copies(monkeypatch) -> list[int]:
     return copies
 
 
-def test_any_mix_of_writes_lands_byte_for_byte(tmp_path):
+@pytest.mark.parametrize("bounce", [False, True], ids=["direct", "bounce"])
+def test_any_mix_of_writes_lands_byte_for_byte(tmp_path, monkeypatch, bounce):
+    """Random writes land byte for byte; with ``set_bounce`` every byte of a source large
+    enough to have an address goes through the staging buffers (the saver's mode), and
+    writes larger than a staging buffer hand full buffers to the helper thread."""
+    monkeypatch.setattr(_direct, "_bounce", bounce)
+    copies = _count_copies(monkeypatch)
     rng = random.Random(4)
     page = mmap.mmap(-1, 64 << 20)  # page-aligned source: slices of it are aligned or not at will
     page[:] = rng.randbytes(64 << 20)
+    addressed = 0
     for trial in range(12):
         path = tmp_path / f"f{trial}"
         f = open_direct(path, required=True)
@@ -90,9 +99,34 @@ def test_any_mix_of_writes_lands_byte_for_byte(tmp_path):
                 data = memoryview(page)[start : start + (20 << 20) + rng.randint(0, BLOCK)]
             assert f.write(data) == len(bytes(data))
             expect += bytes(data)
+            addressed += len(bytes(data)) if len(bytes(data)) >= BLOCK else 0
         f.close()
         assert f.size == len(expect)
         assert path.read_bytes() == bytes(expect), f"trial {trial}"
+    if bounce:
+        assert sum(copies) == addressed
+    else:  # the aligned whole blocks went to the disk from `page`
+        assert sum(copies) < addressed
+
+
+def test_a_direct_write_waits_for_the_helper_threads_write(tmp_path, monkeypatch):
+    """The file offset is shared: a write from the caller's memory must not overtake the
+    staging buffer the helper thread is still writing (made slow here)."""
+    real = DirectFile._writev
+
+    def slow_on_helper(self, bufs):
+        if threading.current_thread().name.startswith("ftkit-direct-io"):
+            time.sleep(0.2)
+        return real(self, bufs)
+
+    monkeypatch.setattr(DirectFile, "_writev", slow_on_helper)
+    page = mmap.mmap(-1, 40 << 20)
+    page[:] = random.Random(5).randbytes(40 << 20)
+    f = open_direct(tmp_path / "f", required=True)
+    f.write(memoryview(page)[1 : (16 << 20) + 1])  # unaligned: staged, a full buffer handed over
+    f.write(memoryview(page)[16 << 20 : 32 << 20])  # aligned, at a block boundary: direct
+    f.close()
+    assert (tmp_path / "f").read_bytes() == page[1 : (16 << 20) + 1] + page[16 << 20 : 32 << 20]
 
 
 def test_empty_file_and_exact_blocks(tmp_path):
@@ -240,6 +274,21 @@ def test_enospc_on_a_full_filesystem_is_enospc(small_fs):
     assert err.value.errno == errno.ENOSPC
 
 
+def test_enospc_of_the_helper_threads_write_is_raised_by_the_next_write(small_fs, monkeypatch):
+    """Bounced writes: the first full staging buffer is written by the helper thread, which
+    meets ENOSPC; the caller's next hand-over raises it, and close frees everything."""
+    monkeypatch.setattr(_direct, "_bounce", True)
+    buf = aligned_empty((8 << 20,), torch.uint8)
+    f = open_direct(small_fs / "big", required=True)
+    assert isinstance(f, DirectFile)
+    with pytest.raises(OSError) as err:
+        for _ in range(6):  # 48 MiB: three hand-overs of 16 MiB
+            f.write(memoryview(buf.numpy()))
+    assert err.value.errno == errno.ENOSPC and f._io is not None
+    f.abort()
+    assert f.closed and not any(t.name.startswith("ftkit-direct-io") for t in threading.enumerate())
+
+
 def test_direct_io_setting_is_checked():
     with pytest.raises(ConfigError, match=r"checkpoint\.direct_io"):
         CheckpointConfig(root="/tmp/x", direct_io="yes")  # type: ignore[arg-type]
@@ -285,3 +334,61 @@ def test_quantized_tensors_keep_their_own_copy_path(tmp_path):
         make_manager(CheckpointConfig(root=tmp_path, direct_io=True)).save(1, {"q": {"w": q}})
         assert make_manager(CheckpointConfig(root=tmp_path)).load(back) == 1
     assert back["q"]["w"].is_quantized and torch.equal(back["q"]["w"].int_repr(), q.int_repr())
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """Mount real tmpfs filesystems with the given options (root, as the tests run here)."""
+    mounted = []
+
+    def mount(name: str, options: str):
+        assert os.geteuid() == 0, "this machine runs the tests as root (mounts a tmpfs)"
+        mnt = tmp_path / name
+        mnt.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], check=True)
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_huge_pages_is_read_from_the_mount_options(tmp_path, tmpfs):
+    from ftkit.checkpoint._shm import huge_pages
+
+    huge = tmpfs("huge", "size=64m,huge=within_size")
+    (huge / "sub").mkdir()
+    plain = tmpfs("plain", "size=64m")
+    advise = tmpfs("advise", "size=64m,huge=advise")  # fallocate takes no huge page there
+    assert huge_pages(huge) and huge_pages(huge / "sub")
+    assert not huge_pages(plain) and not huge_pages(advise) and not huge_pages(tmp_path)
+
+
+@pytest.mark.parametrize("huge", [False, True], ids=["bounced", "huge-tmpfs"])
+def test_crash_safe_saves_from_either_kind_of_tmpfs_resume_exactly(tmp_path, tmpfs, huge):
+    """The saver writes a tmpfs without huge pages through its staging buffers (set_bounce)
+    and one with huge pages from the segment itself; both give the same exact checkpoint."""
+    shm = tmpfs("shm", "size=256m" + (",huge=within_size" if huge else ""))
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.Linear(2048, 7))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 1024)).sum().backward()
+    opt.step()
+    root = tmp_path / "ck"
+    mgr = AsyncCheckpointer(CheckpointConfig(root=root, direct_io=True),
+                            async_config=AsyncConfig(crash_safe=True, shm_dir=shm))
+    try:
+        mgr.save(9, {"model": model, "optimizer": opt})
+        mgr.wait()
+    finally:
+        mgr.close()
+    assert list(shm.iterdir()) == []  # the segments are gone with the saver
+    fresh = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.Linear(2048, 7))
+    fresh_opt = torch.optim.Adam(fresh.parameters())
+    from ftkit.checkpoint import make_manager
+
+    assert make_manager(CheckpointConfig(root=root)).load({"model": fresh, "optimizer": fresh_opt}) == 9
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], fresh_opt.state_dict()["state"][0]["exp_avg"])

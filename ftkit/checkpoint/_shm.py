@@ -45,7 +45,7 @@ import torch
 from ..errors import CheckpointError
 from ._direct import ALIGN_MIN
 
-__all__ = ["PREFIX", "Segment", "SlotMap", "SlotView", "read_slot"]
+__all__ = ["PREFIX", "Segment", "SlotMap", "SlotView", "huge_pages", "read_slot"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,31 @@ _HEADER = struct.Struct("<8sIIqqQQQ")  # magic, version, state, seq, step, skel_
 _STATE_AT = 12  # byte offset of ``state`` in the header
 _PAGE = 4096
 _ALIGN = 64
+
+
+def huge_pages(directory: str | os.PathLike[str]) -> bool:
+    """Whether files created in ``directory`` get huge pages when their space is reserved: a
+    tmpfs mounted with ``huge=always`` or ``huge=within_size`` (``/proc/self/mountinfo``).
+    ``/dev/shm`` is mounted without by default; then the saver bounces its writes
+    (:func:`._direct.set_bounce`): segment pages may be scattered in physical memory."""
+    target = os.path.realpath(directory)
+    best: tuple[int, bool] = (-1, False)
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if "-" not in fields:
+                    continue
+                sep = fields.index("-")
+                mount = fields[4].replace("\\040", " ")
+                inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) > best[0]:
+                    options = fields[sep + 3].split(",") if len(fields) > sep + 3 else []
+                    best = (len(mount), fields[sep + 1] == "tmpfs"
+                            and bool({"huge=always", "huge=within_size"} & set(options)))
+    except OSError:
+        return False
+    return best[1]
 
 
 def _round(n: int, to: int) -> int:
