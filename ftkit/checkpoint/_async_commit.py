@@ -3,7 +3,8 @@
 No collective runs off the main thread; the workers coordinate through files in the step directory:
 
 1. Rank 0's worker prepares ``step-N/`` as a synchronous save does (sentinel first, then ``dcp/``),
-   then writes this save's id into the sentinel (temp file + ``os.replace``).
+   then writes this save's id into the sentinel (temp file + ``os.replace``; not fsynced: until
+   the manifest is durable the directory is incomplete, see ``_manager``).
 2. Every other rank's worker waits until the sentinel holds the id of *this* save (a leftover of an
    earlier run holds another id, and rank 0 replaces it), so no data file ever precedes the sentinel.
 3. Each rank writes ``rank-RRRRR.pt`` and its DCP shard ``dcp/__R_0.distcp``, fsyncs them and both
@@ -250,7 +251,9 @@ class RankCommit:
             existing = ck._prepare(step, path, pin)
             if existing is not None:
                 return existing
-            atomic_write_bytes(path / SENTINEL, save_id.encode(), sync=self.sync)
+            # the save id tells the other ranks which save this directory is for; like the
+            # sentinel of a synchronous save it is not fsynced (no manifest: incomplete anyway)
+            atomic_write_bytes(path / SENTINEL, save_id.encode(), sync=False)
             self._write_part(snapshot, path, save_id, step, progress)
             parts = self._await_parts(path, save_id, step)
             files = self._seal_dcp(path, parts)
