@@ -95,13 +95,10 @@ def _anonymous(nbytes: int) -> tuple[mmap.mmap, int]:
             # the last partial piece stays in small pages: with THP "always" a huge page there
             # would also make up to 2 MiB of the slack beyond the buffer resident
             mapping.madvise(mmap.MADV_NOHUGEPAGE, offset + whole, len(mapping) - offset - whole)
-    for advice in (_MADV_WIPEONFORK, getattr(mmap, "MADV_DONTFORK", None)):
-        try:  # Linux >= 4.14 wipes; older kernels leave the mapping out of the child
-            if advice is not None:
-                mapping.madvise(advice)
-                break
-        except OSError:
-            continue
+    for advice in (_MADV_WIPEONFORK, mmap.MADV_DONTFORK):  # Linux >= 4.14 wipes; older: left out
+        with contextlib.suppress(OSError):
+            mapping.madvise(advice)
+            break
     return mapping, offset
 
 
