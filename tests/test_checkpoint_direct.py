@@ -68,7 +68,8 @@ def _count_copies(monkeypatch) -> list[int]:
 def test_any_mix_of_writes_lands_byte_for_byte(tmp_path, monkeypatch, bounce):
     """Random writes land byte for byte; with ``set_bounce`` every byte of a source large
     enough to have an address goes through the staging buffers (the saver's mode), and
-    writes larger than a staging buffer hand full buffers to the helper thread."""
+    writes larger than a staging buffer hand full buffers to the helper thread. A bouncing
+    file checksums every byte as it stages it; one that does not stage them all does not."""
     monkeypatch.setattr(_direct, "_bounce", bounce)
     copies = _count_copies(monkeypatch)
     rng = random.Random(4)
@@ -77,7 +78,7 @@ def test_any_mix_of_writes_lands_byte_for_byte(tmp_path, monkeypatch, bounce):
     addressed = 0
     for trial in range(12):
         path = tmp_path / f"f{trial}"
-        f = open_direct(path, required=True)
+        f = open_direct(path, required=True, crc=zlib.crc32)
         assert f is not None
         assert fcntl.fcntl(f.fileno(), fcntl.F_GETFL) & os.O_DIRECT  # really direct
         expect = bytearray()
@@ -103,6 +104,7 @@ def test_any_mix_of_writes_lands_byte_for_byte(tmp_path, monkeypatch, bounce):
         f.close()
         assert f.size == len(expect)
         assert path.read_bytes() == bytes(expect), f"trial {trial}"
+        assert f.crc == (zlib.crc32(expect) if bounce else None)
     if bounce:
         assert sum(copies) == addressed
     else:  # the aligned whole blocks went to the disk from `page`

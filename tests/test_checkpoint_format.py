@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ftkit.checkpoint import _direct, _files, _single
-from ftkit.checkpoint._files import HashingWriter
+from ftkit.checkpoint._files import HashingWriter, _CrcThread
 from ftkit.checkpoint._single import FILE_FORMAT, read_state_file, write_state_file
 from ftkit.errors import CheckpointError
 
@@ -133,15 +133,21 @@ def test_flipped_byte_in_tensor_data_is_refused_before_parsing(tmp_path):
         read_state_file(tmp_path, "s.pt", entry, verify=True)
 
 
-@pytest.mark.parametrize("stable", [True, False], ids=["queued-by-reference", "waited-for"])
-def test_writer_crc_matches_random_write_sequence(tmp_path, stable):
+@pytest.mark.parametrize("stable,bounce", [(True, False), (False, False), (False, True)],
+                         ids=["queued-by-reference", "waited-for", "staged-direct"])
+def test_writer_crc_matches_random_write_sequence(tmp_path, monkeypatch, stable, bounce):
+    """The CRC thread checksums the written buffers; a direct file that stages every byte
+    (the saver's) checksums them itself, and nothing goes to the CRC thread."""
+    if bounce:
+        monkeypatch.setattr(_direct, "_bounce", True)
+        monkeypatch.setattr(_CrcThread, "put", lambda *a: pytest.fail("queued to the CRC thread"))
     rng = random.Random(1)
     bufs = [
         bytearray(rng.randbytes(rng.choice([0, 1, 100, 70_000, 300_000, BIG + 3])))
         for _ in range(30)
     ]
     addresses = [(torch.frombuffer(b, dtype=torch.uint8).data_ptr(), len(b)) for b in bufs if b]
-    w = HashingWriter(tmp_path / "f", stable=addresses if stable else ())
+    w = HashingWriter(tmp_path / "f", stable=addresses if stable else (), direct=bounce)
     for b in bufs:
         assert w.write(b) == len(b)
         assert w.tell() == w.size

@@ -48,6 +48,7 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ HUGE = 2 << 20  # ... and from this size up on a 2 MiB boundary, with huge-page 
 _MADV_WIPEONFORK = 18  # <linux/mman.h>; Python's mmap module does not name it
 _STAGE = 16 << 20  # staging buffer: a multiple of BLOCK (16 MiB: the device's best write size here)
 _POOL_MAX = 4  # staging buffers kept for reuse (two per writer; two concurrent writers)
+_PIECE = 256 << 10  # a staged copy is checksummed in pieces this large, while they are in the CPU cache
 _pool: list[tuple[mmap.mmap, int]] = []
 _pool_lock = threading.Lock()
 _refused: dict[int, str] = {}  # st_dev -> why that filesystem refused O_DIRECT
@@ -154,9 +156,12 @@ def _give_stage(stage: tuple[mmap.mmap, int]) -> None:
             _pool.append(stage)
 
 
-def open_direct(path: Path, *, required: bool) -> DirectFile | None:
+def open_direct(path: Path, *, required: bool, crc: Callable[[Any, int], int] | None = None) -> DirectFile | None:
     """Create ``path`` (exclusively) for direct writes; None if its filesystem refuses O_DIRECT
-    and ``required`` is false (logged once per filesystem), else :class:`CheckpointError`."""
+    and ``required`` is false (logged once per filesystem), else :class:`CheckpointError`.
+
+    ``crc`` (``crc(data, value) -> value``, e.g. ``zlib.crc32``): if the file stages every byte
+    (:func:`set_bounce`), it checksums them as it stages them (:attr:`DirectFile.crc`)."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         if required:
@@ -186,7 +191,7 @@ def open_direct(path: Path, *, required: bool) -> DirectFile | None:
                      "through the page cache", path.parent, exc.strerror)
         _refused[dev] = exc.strerror or str(exc)
         return None
-    return DirectFile(fd, path)
+    return DirectFile(fd, path, bounce=_bounce, crc=crc)
 
 
 class _Stage:
@@ -211,10 +216,19 @@ class DirectFile:
     other (one write in flight at a time, so the file offset stays sequential). A write from
     the caller's memory waits for it first. An error of the helper's write is raised by the
     next ``write`` or ``close``.
+
+    ``bounce``: stage every byte (:func:`set_bounce`). Then ``crc``, if given, checksums every
+    byte right after it is copied, in pieces of :data:`_PIECE` that are still in the CPU
+    cache, so the source is read once (for the copy) instead of twice (copy, then checksum);
+    :attr:`crc` is the running value (None when the file does not checksum).
     """
 
-    def __init__(self, fd: int, path: Path) -> None:
+    def __init__(self, fd: int, path: Path, *, bounce: bool = False,
+                 crc: Callable[[Any, int], int] | None = None) -> None:
         self.path = path
+        self._bounce = bounce
+        self._crc = crc if bounce else None
+        self.crc: int | None = None if self._crc is None else 0
         self.size = 0
         self.closed = False
         self._fd = fd
@@ -234,7 +248,7 @@ class DirectFile:
         view = memoryview(data).cast("B")
         total = view.nbytes
         addr = address(view) if total >= BLOCK else None
-        direct = addr is not None and not _bounce
+        direct = addr is not None and not self._bounce
         pos = 0
         while pos < total:
             left = total - pos
@@ -246,16 +260,25 @@ class DirectFile:
                 pos += k
                 continue
             k = min(_STAGE - self._n, left)
-            if addr is not None:
-                ctypes.memmove(self._cur.addr + self._n, addr + pos, k)  # releases the GIL
-            else:
-                self._cur.view[self._n : self._n + k] = view[pos : pos + k]
+            self._stage(view, addr, pos, k)
             self._n += k
             pos += k
             if self._n == _STAGE:
                 self._hand_over()
         self.size += total
         return total
+
+    def _stage(self, view: memoryview, addr: int | None, pos: int, k: int) -> None:
+        """Copy ``k`` bytes of the source from ``pos`` to the staging buffer's end (and checksum them)."""
+        step = k if self._crc is None else _PIECE
+        for off in range(0, k, step):
+            n, at = min(step, k - off), self._n + off
+            if addr is not None:
+                ctypes.memmove(self._cur.addr + at, addr + pos + off, n)  # releases the GIL
+            else:
+                self._cur.view[at : at + n] = view[pos + off : pos + off + n]
+            if self._crc is not None:
+                self.crc = self._crc(self._cur.view[at : at + n], self.crc)  # type: ignore[arg-type]
 
     def _hand_over(self) -> None:
         """Start writing the full staging buffer on the helper thread; go on in the other."""
