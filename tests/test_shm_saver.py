@@ -133,6 +133,26 @@ def test_clean_close_stops_the_saver_and_unlinks(tmp_path):
     assert list(tmp_path.glob("step-*")) == []
 
 
+def test_saver_is_a_batch_task_in_every_thread(tmp_path):
+    """SCHED_BATCH: a saver woken by a persist request never preempts the trainer's thread."""
+    import torch
+
+    from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
+    from tests.ckpt_helpers import make_mgr
+
+    mgr = AsyncCheckpointer(make_mgr(tmp_path).config, async_config=AsyncConfig(crash_safe=True))
+    try:
+        mgr.save(1, {"w": torch.ones(1 << 20)})  # the saver's worker (and writer) threads exist
+        mgr.wait()
+        saver = mgr._backend.proc.pid
+        threads = [int(t) for t in os.listdir(f"/proc/{saver}/task")]
+        assert len(threads) > 1
+        assert {os.sched_getscheduler(t) for t in threads} == {os.SCHED_BATCH}
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the trainer is left as it was
+    finally:
+        mgr.close()
+
+
 def test_saver_killed_is_reported_not_silent(tmp_path):
     import torch
 
