@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from .._fs import mount_of
 from ..errors import CheckpointError
 from ._direct import ALIGN_MIN
 
@@ -61,27 +62,12 @@ _ALIGN = 64
 
 def huge_pages(directory: str | os.PathLike[str]) -> bool:
     """Whether files created in ``directory`` get huge pages when their space is reserved: a
-    tmpfs mounted with ``huge=always`` or ``huge=within_size`` (``/proc/self/mountinfo``).
-    ``/dev/shm`` is mounted without by default; then the saver bounces its writes
-    (:func:`._direct.set_bounce`): segment pages may be scattered in physical memory."""
-    target = os.path.realpath(directory)
-    best: tuple[int, bool] = (-1, False)
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                fields = line.split()
-                if "-" not in fields:
-                    continue
-                sep = fields.index("-")
-                mount = fields[4].replace("\\040", " ")
-                inside = target == mount or target.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) > best[0]:
-                    options = fields[sep + 3].split(",") if len(fields) > sep + 3 else []
-                    best = (len(mount), fields[sep + 1] == "tmpfs"
-                            and bool({"huge=always", "huge=within_size"} & set(options)))
-    except OSError:
-        return False
-    return best[1]
+    tmpfs mounted with ``huge=always`` or ``huge=within_size``. ``/dev/shm`` is mounted without
+    by default; then the saver bounces its writes (:func:`._direct.set_bounce`): segment pages
+    may be scattered in physical memory."""
+    mount = mount_of(directory)
+    return (mount is not None and mount.fstype == "tmpfs"
+            and bool({"huge=always", "huge=within_size"} & set(mount.options)))
 
 
 def _round(n: int, to: int) -> int:

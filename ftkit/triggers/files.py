@@ -26,7 +26,7 @@ from pathlib import Path
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers.api import BaseObserver
 
-from .._fs import atomic_write
+from .._fs import atomic_write, mount_of
 from ..decision import Action, Request, RequestBox, Source, parse_action
 from ..errors import ConfigError
 from ..jobdir import JobDir
@@ -92,45 +92,15 @@ class WatchConfig:
 # network filesystem detection
 
 
-def _unescape_mount(field: str) -> str:
-    """Undo the octal escapes of /proc/mounts (``\\040`` is a space, ``\\134`` a backslash)."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
-def _under(path: str, mount_point: str) -> bool:
-    if mount_point == "/":
-        return path.startswith("/")
-    return path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
-
-
 def detect_network_fs(
     path: str | os.PathLike[str], *, mounts: str | os.PathLike[str] = "/proc/self/mounts"
 ) -> str | None:
-    """The fstype of the network/cluster filesystem holding ``path``, else None.
-
-    Reads the mount table ``mounts`` and picks the longest mount point containing the
-    resolved path (the last one listed wins for stacked mounts). Returns None when the
-    table cannot be read (not Linux) or the filesystem is local.
-    """
-    target = os.path.realpath(path)
-    best: tuple[int, str] | None = None
-    try:
-        with open(mounts, encoding="utf-8", errors="surrogateescape") as f:
-            lines = f.read().splitlines()
-    except OSError as exc:
-        log.debug("cannot read mount table %s: %s", mounts, exc)
+    """The fstype of the network/cluster filesystem holding ``path``, else None (local, or the
+    mount table ``mounts`` cannot be read: not Linux). See :func:`ftkit._fs.mount_of`."""
+    mount = mount_of(path, mounts=mounts)
+    if mount is None:
         return None
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        mount_point, fstype = _unescape_mount(fields[1]), fields[2]
-        if _under(target, mount_point) and (best is None or len(mount_point) >= best[0]):
-            best = (len(mount_point), fstype)
-    if best is None:
-        return None
-    fstype = best[1]
-    return fstype if fstype.lower() in NETWORK_FSTYPES else None
+    return mount.fstype if mount.fstype.lower() in NETWORK_FSTYPES else None
 
 
 # --------------------------------------------------------------------------------------
