@@ -50,6 +50,7 @@ def test_async_save_of_a_cuda_model_resumes_exactly(tmp_path: Path, crash_safe: 
     with AsyncCheckpointer(cfg, async_config=async_config, events=None, rank=0, world_size=1) as mgr:
         mgr.save(3, {"model": model, "optimizer": opt})
         # training goes on while the snapshot persists: the snapshot must not see this update
+        opt.zero_grad()  # as the resumed run below starts: with no gradient carried over
         model(x).pow(2).mean().backward()
         opt.step()
         after = [p.detach().clone() for p in model.parameters()]
