@@ -169,6 +169,116 @@ def test_buffers_are_reused_across_saves(tmp_path, crash_safe):
         assert torch.equal(mgr.buffers(0)[0], model.weight.detach()) or torch.equal(mgr.buffers(0)[0], model.bias.detach())
 
 
+class _Probe:
+    """A stateful object the walk reaches after tensor ``a``: notes whether slot 0's buffers
+    already held ``a``'s current value at that moment (the copy started during the walk)."""
+
+    def __init__(self, a, mgr) -> None:
+        self.a, self.mgr, self.seen, self.states = a, mgr, [], []
+
+    def state_dict(self):
+        import struct
+
+        import torch
+
+        from ftkit.checkpoint import _shm
+
+        self.seen.append(any(b.shape == self.a.shape and torch.equal(b, self.a) for b in self.mgr.buffers(0)))
+        seg = getattr(self.mgr._backend, "segments", [None])[0]
+        if seg is not None:  # crash-safe: the slot being overwritten says so (a rescue skips it)
+            self.states.append(struct.unpack_from("<I", seg._head, _shm._STATE_AT)[0])
+        return {"n": len(self.seen)}
+
+    def load_state_dict(self, sd) -> None:
+        pass
+
+
+@pytest.mark.parametrize("crash_safe", [False, True], ids=["thread", "shm-saver"])
+def test_each_tensor_is_copied_as_soon_as_the_walk_finds_it(tmp_path, crash_safe):
+    import torch
+
+    a = torch.randn(1000)
+    with _mgr(tmp_path, crash_safe=crash_safe) as mgr:
+        probe = _Probe(a, mgr)
+        state = {"a": a, "probe": probe}
+        for step in (1, 2, 3):
+            a.add_(1.0)
+            mgr.save(step, state)
+            mgr.wait()
+    # the first save allocates the buffers after the walk; later ones copy into them during it
+    assert probe.seen == [False, True, True]
+    if crash_safe:
+        from ftkit.checkpoint._shm import WRITING
+
+        assert probe.states == [WRITING, WRITING]
+    got = torch.load(tmp_path / "step-00000003" / "rank-00000.pt", weights_only=True)["state"]
+    assert torch.equal(got["a"], a) and got["probe"] == {"n": 3}
+
+
+@pytest.mark.parametrize("crash_safe", [False, True], ids=["thread", "shm-saver"])
+def test_a_state_whose_layout_changes_between_saves_is_snapshotted_exactly(tmp_path, crash_safe):
+    """Copies start during the walk into the buffers of the previous layout: a tensor appended
+    (same prefix), one reshaped, one inserted in front (every index moves), a dtype changed."""
+    import torch
+
+    from ftkit.checkpoint import validate_dir
+
+    g = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    states = [
+        {"x": r(64), "y": r(3, 3)},
+        {"x": r(64), "y": r(3, 3), "z": r(5)},
+        {"x": r(64), "y": r(4, 3), "z": r(5)},
+        {"w": r(2), "x": r(64), "y": r(4, 3), "z": r(5)},
+        {"w": r(2), "x": r(64).double(), "y": r(4, 3), "z": r(5)},
+        {"x": r(64)},
+    ]
+    with _mgr(tmp_path, crash_safe=crash_safe) as mgr:
+        for step, state in enumerate(states, 1):
+            mgr.save(step, state)
+            mgr.wait()
+            d = tmp_path / f"step-{step:08d}"
+            assert validate_dir(d, checksums=True).valid
+            got = torch.load(d / "rank-00000.pt", weights_only=True)["state"]
+            assert got.keys() == state.keys(), step
+            for k, v in state.items():
+                assert got[k].dtype == v.dtype and torch.equal(got[k], v), (step, k)
+
+
+class _Broken:
+    def state_dict(self):
+        raise RuntimeError("state_dict failed half-way through the walk")
+
+    def load_state_dict(self, sd) -> None:
+        pass
+
+
+@pytest.mark.parametrize("crash_safe", [False, True], ids=["thread", "shm-saver"])
+def test_a_walk_failing_after_copies_started_raises_and_harms_nothing(tmp_path, crash_safe):
+    import fcntl
+
+    import torch
+
+    a = torch.randn(1000)
+    with _mgr(tmp_path, crash_safe=crash_safe) as mgr:
+        mgr.save(1, {"a": a, "b": torch.zeros(3)})
+        mgr.wait()
+        a.add_(1.0)  # "a" is copied into slot 0 before the walk meets the broken object
+        with pytest.raises(RuntimeError, match="half-way"):
+            mgr.save(2, {"a": a, "b": _Broken()})
+        if crash_safe:  # the slot is unlocked again: the saver could read (rescue) it
+            seg = mgr._backend.segments[0]
+            with open(seg.path, "rb") as f:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        mgr.save(3, {"a": a, "b": torch.ones(3)})
+        mgr.wait()
+    assert not (tmp_path / "step-00000002").exists()
+    for step, b in ((1, torch.zeros(3)), (3, torch.ones(3))):
+        got = torch.load(tmp_path / f"step-{step:08d}" / "rank-00000.pt", weights_only=True)["state"]
+        assert torch.equal(got["b"], b)
+    assert torch.equal(got["a"], a)
+
+
 # ---------------------------------------------------------------- failures are loud
 @pytest.mark.parametrize("crash_safe", [False, True], ids=["thread", "shm-saver"])
 @pytest.mark.parametrize("report", ["on_step", "save", "pending_error", "wait"])

@@ -4,7 +4,10 @@
 MB megabytes (tensors filled with the step number), prints one JSON line and waits to be killed.
 MODE ``save``: ``save(3)`` returned (the saver is still writing it); ``memory``: only memory
 snapshots (steps 1..3), never asked to persist; ``midcopy``: a complete snapshot of step 1, then
-the trainer SIGKILLs itself half-way through copying step 2.
+the trainer SIGKILLs itself half-way through copying step 2 (into the second slot's first
+segment, after the walk); ``midwalk``: complete snapshots of steps 1 and 2, then the trainer
+SIGKILLs itself in the copy of step 3's first tensor, started during the walk into the slot that
+held step 1.
 """
 
 from __future__ import annotations
@@ -110,11 +113,12 @@ def test_kill9_with_memory_snapshots_only_persists_the_newest(tmp_path):
     _check_restored(tmp_path / "ck", info["step"], 16)
 
 
-def test_kill9_mid_copy_persists_the_previous_complete_snapshot(tmp_path):
-    info, _ = _crash(tmp_path, "midcopy", 64)
-    assert info["step"] == 1
-    assert [p.name for p in (tmp_path / "ck").glob("step-*")] == ["step-00000001"]
-    _check_restored(tmp_path / "ck", 1, 64)  # never the half-copied step 2
+@pytest.mark.parametrize("mode,complete", [("midcopy", 1), ("midwalk", 2)])
+def test_kill9_mid_copy_persists_the_previous_complete_snapshot(tmp_path, mode, complete):
+    info, _ = _crash(tmp_path, mode, 64)
+    assert info["step"] == complete
+    assert [p.name for p in (tmp_path / "ck").glob("step-*")] == [f"step-{complete:08d}"]
+    _check_restored(tmp_path / "ck", complete, 64)  # never the half-copied next step
 
 
 def test_clean_close_stops_the_saver_and_unlinks(tmp_path):
@@ -295,20 +299,29 @@ def trainer(mode: str, root: str, mb: int) -> None:
             at(step)
             mgr.on_step(step, state)
         report(3)
-    else:  # midcopy
-        at(1)
-        mgr.on_step(1, state)
-        report(1)
+    else:  # midcopy, midwalk
+        last = 1 if mode == "midcopy" else 2
+        for step in range(1, last + 1):
+            at(step)
+            mgr.on_step(step, state)
+        report(last)
         copier = mgr._backend._copier
-        real = copier.copy
+        real = copier.batch
 
-        def copy_half_then_die(dst, src):
-            real(dst[:1], src[:1])
-            os.kill(os.getpid(), signal.SIGKILL)
+        def batch_that_dies_after_one_tensor():
+            batch = real()
+            add = batch.add
 
-        copier.copy = copy_half_then_die
-        at(2)
-        mgr.on_step(2, state)
+            def add_then_die(dst, src):
+                add(dst, src)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            batch.add = add_then_die
+            return batch
+
+        copier.batch = batch_that_dies_after_one_tensor
+        at(last + 1)
+        mgr.on_step(last + 1, state)
     time.sleep(120)
 
 

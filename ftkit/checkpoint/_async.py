@@ -233,7 +233,6 @@ class AsyncCheckpointer:
     def _take(self, step: int, state: Mapping[str, Any], *, persist: bool, pin: bool, reason: str | None) -> None:
         self._check_open()
         began = self._clock()
-        skeleton, tensors = self._flatten(state)
         limit = self.async_config.max_in_flight
         with self._cond:
             if persist:
@@ -244,9 +243,15 @@ class AsyncCheckpointer:
                 self._newest = None
             self._seq += 1
             seq = self._seq
+        fill = None
         try:
-            self._backend.fill(slot.index, seq, step, skeleton, tensors)
+            # the backend copies each tensor as the walk finds it (see _async_buffers)
+            fill = self._backend.start_fill(slot.index)
+            skeleton, tensors = self._flatten(state, fill.found)
+            fill.finish(seq, step, skeleton, tensors)
         except BaseException:
+            if fill is not None:
+                fill.abort()
             with self._cond:
                 slot.busy, slot.seq, slot.step, slot.durable = False, -1, -1, False
                 self._cond.notify_all()
@@ -259,14 +264,16 @@ class AsyncCheckpointer:
             self._submit(slot, pin=pin, reason=reason)
         self.last_stall_seconds = self._clock() - began
 
-    def _flatten(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+    def _flatten(
+        self, state: Mapping[str, Any], found: Callable[[int, str, Any], None]
+    ) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
         if not self._distributed:
-            return flatten(state)
+            return flatten(state, found=found)
         from ._async_commit import plan_sharded
         from ._dcp import sharded_keys
 
         keys = sharded_keys(state)
-        skeleton, tensors = flatten(state, exclude=keys)
+        skeleton, tensors = flatten(state, exclude=keys, found=found)
         skeleton["sharded"], more = plan_sharded(state, keys, self.checkpointer.rank, start=len(tensors))
         return skeleton, tensors + more
 

@@ -40,10 +40,10 @@ class ThreadBackend:
         self._thread = threading.Thread(target=self._run, name="ftkit-async-checkpoint", daemon=True)
         self._thread.start()
 
-    def fill(self, slot: int, seq: int, step: int, skeleton: dict[str, Any], tensors: list[tuple[str, torch.Tensor]]) -> None:
-        buffers = self.sets[slot].buffers_for(tensors)
-        events, nbytes = self._copier.copy(buffers, [t for _, t in tensors])
-        self._snaps[slot] = (host_snapshot(skeleton, buffers, nbytes), events)
+    def start_fill(self, slot: int) -> _Fill:
+        """Begin a snapshot into ``slot``: ``found`` per tensor of the walk, then ``finish``
+        (or ``abort`` if anything failed)."""
+        return _Fill(self, slot)
 
     def submit(self, slot: int, seq: int, step: int, pin: bool, reason: str | None) -> None:
         self._queue.put((slot, seq, step, pin, reason))
@@ -72,3 +72,34 @@ class ThreadBackend:
             self._queue.put(None)
             self._thread.join()
         self._snaps.clear()
+
+
+class _Fill:
+    """One snapshot into a slot's buffers. A tensor whose buffer (same path, shape and dtype)
+    exists is copied as soon as the walk finds it; the rest once the walk is done."""
+
+    def __init__(self, backend: ThreadBackend, slot: int) -> None:
+        self._backend = backend
+        self._slot = slot
+        self._set = backend.sets[slot]
+        self._batch = backend._copier.batch()
+        self._copied: set[int] = set()
+
+    def found(self, index: int, where: str, tensor: torch.Tensor) -> None:
+        buf = self._set.buffers.get(where)
+        if buf is not None and buf.shape == tensor.shape and buf.dtype == tensor.dtype:
+            self._batch.add(buf, tensor)
+            self._copied.add(index)
+
+    def finish(self, seq: int, step: int, skeleton: dict[str, Any], tensors: list[tuple[str, torch.Tensor]]) -> None:
+        buffers = self._set.buffers_for(tensors)  # the same buffers for the tensors copied early
+        for i, (buf, (_, tensor)) in enumerate(zip(buffers, tensors, strict=True)):
+            if i not in self._copied:
+                self._batch.add(buf, tensor)
+        events, nbytes = self._batch.finish()
+        self._backend._snaps[self._slot] = (host_snapshot(skeleton, buffers, nbytes), events)
+
+    def abort(self) -> None:
+        """The save failed: the copies started stay ordered before later updates, and are done."""
+        events, _ = self._batch.finish()
+        wait_events(events)

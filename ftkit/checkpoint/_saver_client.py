@@ -174,29 +174,24 @@ class ShmBackend:
                     "snapshots cannot be persisted"
                 ) from exc
 
-    def fill(self, slot: int, seq: int, step: int, skeleton: dict[str, Any], tensors: list[tuple[str, torch.Tensor]]) -> None:
-        layout = layout_of(tensors)
-        guess = len(pickle.dumps(skeleton, protocol=5)) + 96 * len(layout) + 512
-        seg = self.segments[slot]
-        if seg is None or not seg.fits(layout, guess):
-            pin = any(t.device.type == "cuda" for _, t in tensors)
-            self._generation += 1
-            new = Segment(self._dir, self._token, slot, self._generation, layout, 2 * guess, pin=pin)
-            try:
-                self._send(op="segment", slot=slot, path=str(new.path))
-            except BaseException:
-                new.close()
-                raise
-            if seg is not None:
-                seg.close()
-            self.segments[slot] = seg = new
-        seg.begin()
+    def start_fill(self, slot: int) -> _Fill:
+        """Begin a snapshot into ``slot``: ``found`` per tensor of the walk, then ``finish``
+        (or ``abort`` if anything failed)."""
+        return _Fill(self, slot)
+
+    def _new_segment(self, slot: int, layout: tuple, skeleton_len: int, pin: bool) -> Segment:
+        """A segment of the next generation for ``slot``, announced to the saver; the old one closed."""
+        self._generation += 1
+        new = Segment(self._dir, self._token, slot, self._generation, layout, 2 * skeleton_len, pin=pin)
         try:
-            events, nbytes = self._copier.copy(seg.buffers, [t for _, t in tensors])
-            wait_events(events)  # COMPLETE must never precede the device-to-host copy
-            seg.commit(seq, step, skeleton, nbytes)
-        finally:
-            seg.end()
+            self._send(op="segment", slot=slot, path=str(new.path))
+        except BaseException:
+            new.close()
+            raise
+        old, self.segments[slot] = self.segments[slot], new
+        if old is not None:
+            old.close()
+        return new
 
     def submit(self, slot: int, seq: int, step: int, pin: bool, reason: str | None) -> None:
         self._send(op="persist", slot=slot, seq=seq, step=step, pin=pin, reason=reason)
@@ -294,3 +289,59 @@ class ShmBackend:
                   f" (waiting for rank(s) {others} of this node to close?)" if others else "")
         proc.kill()
         proc.wait()
+
+
+class _Fill:
+    """One snapshot into a slot's shared-memory segment.
+
+    The segment in place is marked WRITING (and locked) at once; a tensor whose entry in its
+    layout (index, path, shape, dtype) matches is copied as soon as the walk finds it. Once the
+    walk is done, a layout that no longer fits gets a new segment (the copies already started
+    into the old one are waited for first: it is about to be unmapped) and the rest is copied;
+    COMPLETE is written only after every device-to-host copy is done. The slot's previous
+    content is never the newest unpersisted snapshot (``AsyncCheckpointer._free_slot``), so
+    overwriting it early loses nothing.
+    """
+
+    def __init__(self, backend: ShmBackend, slot: int) -> None:
+        self._backend = backend
+        self._slot = slot
+        self._seg = backend.segments[slot]
+        if self._seg is not None:
+            self._seg.begin()
+        self._batch = backend._copier.batch()
+        self._copied: set[int] = set()
+
+    def found(self, index: int, where: str, tensor: torch.Tensor) -> None:
+        seg = self._seg
+        if seg is not None and index < len(seg.layout) and seg.layout[index] == (where, tuple(tensor.shape), tensor.dtype):
+            self._batch.add(seg.buffers[index], tensor)
+            self._copied.add(index)
+
+    def finish(self, seq: int, step: int, skeleton: dict[str, Any], tensors: list[tuple[str, torch.Tensor]]) -> None:
+        layout = layout_of(tensors)
+        guess = len(pickle.dumps(skeleton, protocol=5)) + 96 * len(layout) + 512
+        seg = self._seg
+        if seg is None or not seg.fits(layout, guess):
+            if self._copied:  # into the segment about to be unmapped: let them land first
+                events, _ = self._batch.finish()
+                wait_events(events)
+                self._batch, self._copied = self._backend._copier.batch(), set()
+            pin = any(t.device.type == "cuda" for _, t in tensors)
+            seg = self._backend._new_segment(self._slot, layout, guess, pin)
+            self._seg = seg
+            seg.begin()
+        for i, (buf, (_, tensor)) in enumerate(zip(seg.buffers, tensors, strict=True)):
+            if i not in self._copied:
+                self._batch.add(buf, tensor)
+        events, nbytes = self._batch.finish()
+        wait_events(events)  # COMPLETE must never precede the device-to-host copy
+        seg.commit(seq, step, skeleton, nbytes)
+        seg.end()
+
+    def abort(self) -> None:
+        """The save failed: wait for the copies started, leave the slot WRITING and unlocked."""
+        events, _ = self._batch.finish()
+        wait_events(events)
+        if self._seg is not None:
+            self._seg.end()
