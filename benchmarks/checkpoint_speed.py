@@ -1,15 +1,17 @@
 """How much a checkpoint costs the training loop: ftkit async/crash-safe vs copy, torch.save, DCP.
 
     python benchmarks/checkpoint_speed.py --sizes 0.25,1,3 [--dir DIR] [--json FILE] [--rounds N] [--settle S]
+                                          [--device cuda]
 
 (``--rounds`` defaults to 15 below 1 GB and 7 from 1 GB up.)
 
 For each state size (GB of model + Adam state: Linear(2048, 2048) layers, parameters, exp_avg,
-exp_avg_sq, all float32) every variant runs in a fresh subprocess, so its peak extra host
+exp_avg_sq, all float32; on ``--device`` ``cpu`` or ``cuda``) every variant runs in a fresh subprocess, so its peak extra host
 memory is ``VmHWM - VmRSS`` measured around the operation (the high-water mark is reset
 through /proc/self/clear_refs after the state is built). Variants, side by side in one run:
 
-* ``copy``        the limit: ``copy_`` of every tensor into preallocated host buffers
+* ``copy``        the limit: ``copy_`` of every tensor into preallocated host buffers (with
+                  ``--device cuda``: pinned buffers, ``non_blocking`` copies, then a synchronize)
 * ``torch.save``  torch.save + fsync of the state dicts (the loop waits for all of it)
 * ``dcp``         torch.distributed.checkpoint.save (single process)
 * ``dcp-async``   torch.distributed.checkpoint.async_save (stall = until it returns)
@@ -53,6 +55,12 @@ and ftkit load into the existing model and optimizer tensors, torch.load allocat
 (Adam steps) checkpointing every N steps with ftkit-async vs torch.save vs none. Goals, as ratios:
 stall <= 1.25x copy; stall >= 5x smaller than torch.save+fsync at 1 GB; persist throughput
 >= 0.8x raw write bandwidth; peak extra host memory <= 2x state size.
+
+With ``--device cuda`` the state lives on the GPU. A stall is then timed until the GPU may go
+on: ``save`` returns once the copies are queued on a side stream that the compute stream waits
+for, so every stall (ftkit's and the copy's) ends with ``torch.cuda.synchronize()``. The raw
+writes write from host copies of the tensors (the persist writes from host buffers too), made
+after the peak memory was read.
 """
 
 from __future__ import annotations
@@ -72,6 +80,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LAYER = 2048
+DEVICE = "cpu"  # --device: where the state lives (the worker's)
 BYTES_PER_LAYER = (LAYER * LAYER + LAYER) * 4 * 3  # weight + bias, times (param, exp_avg, exp_avg_sq)
 
 
@@ -102,16 +111,32 @@ def _reset_peak() -> int:
     return _status("VmRSS")
 
 
+def _sync() -> None:
+    """Wait for the GPU's queued work (a stall ends when the GPU may go on)."""
+    if DEVICE == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _host_buffers(tensors) -> list:
+    """Preallocated host buffers for ``tensors``: pinned for CUDA tensors (asynchronous copies)."""
+    import torch
+
+    return [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in tensors]
+
+
 def _build(gb: float):
     import torch
 
     torch.manual_seed(0)
     layers = max(1, round(gb * 1e9 / BYTES_PER_LAYER))
-    model = torch.nn.Sequential(*[torch.nn.Linear(LAYER, LAYER) for _ in range(layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(LAYER, LAYER) for _ in range(layers)]).to(DEVICE)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     opt.step()
+    _sync()
     nbytes = sum(p.numel() * 4 * 3 for p in model.parameters())
     return model, opt, nbytes
 
@@ -241,7 +266,7 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
     base = _reset_peak()
     if variant == "copy":
         tensors = [t for t in _tensors(state_dicts())]
-        bufs = [torch.empty_like(t) for t in tensors]
+        bufs = _host_buffers(tensors)
         out["stall_s"] = statistics.median(_copy_times(bufs, tensors, 5))
     elif variant == "torch.save":
         path = work / "state.pt"
@@ -263,9 +288,11 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
         t = time.perf_counter()
         if variant == "dcp":
             dcp.save(state_dicts(), checkpoint_id=path, no_dist=True)
+            _sync()
             out["stall_s"] = time.perf_counter() - t
         else:
             fut = dcp.async_save(state_dicts(), checkpoint_id=path, no_dist=True)
+            _sync()
             out["stall_s"] = time.perf_counter() - t
             fut.result()
         _fsync_tree(path)  # FileSystemWriter fsyncs its files; the tree fsync makes it comparable
@@ -289,16 +316,18 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
         try:
             stalls, persists, copies = [], [], []
             raws: dict[str, list[float]] = {"plain": [], "evict": [], "direct": [], "cached": []}
-            # the raw writes' source: the state's tensors (as large as the snapshot ftkit writes)
-            memory = [memoryview(x.numpy()).cast("B") for x in _tensors(state_dicts())
-                      if x.numel() * x.element_size() >= 1 << 20]
             raw_bytes = 0
             step = 1  # allocates the buffers: not timed
             t = time.perf_counter()
             mgr.save(step, state)
+            _sync()
             out["first_stall_s"] = time.perf_counter() - t
             mgr.wait()
             out["peak_extra"] = _status("VmHWM") - base
+            # the raw writes' source: the state's tensors (as large as the snapshot ftkit writes);
+            # on a GPU, host copies of them (made after the peak was read: they are the benchmark's)
+            memory = [memoryview(x.cpu().numpy()).cast("B") for x in _tensors(state_dicts())
+                      if x.numel() * x.element_size() >= 1 << 20]
             out["direct_io"] = _direct_written(work / "ck" / f"step-{step:08d}" / "rank-00000.pt")
             # the O_DIRECT raw write's source: copies of the same tensors in huge pages (allocated
             # after the peak was read: they are the benchmark's, not ftkit's)
@@ -331,7 +360,7 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
             # tensors into preallocated buffers, alternating, warm: no dropped caches, which
             # would evict the code pages a save runs through and time the disk, not the stall.
             tensors = list(_tensors(state_dicts()))
-            bufs = [torch.empty_like(x) for x in tensors]
+            bufs = _host_buffers(tensors)
             _copy_times(bufs, tensors, 1)  # first touch of the buffers: not timed
             for i in range(rounds):
                 for what in ("copy", "save") if i % 2 else ("save", "copy"):
@@ -341,6 +370,7 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
                     step += 1
                     t = time.perf_counter()
                     mgr.save(step, state)
+                    _sync()
                     stalls.append(time.perf_counter() - t)
                     mgr.wait()
                     _prune(work / "ck", step)
@@ -379,7 +409,8 @@ def _copy_times(bufs, tensors, reps: int) -> list[float]:
     for _ in range(reps):
         t = time.perf_counter()
         for b, s in zip(bufs, tensors, strict=True):
-            b.copy_(s)
+            b.copy_(s, non_blocking=True)  # asynchronous only from a GPU into pinned memory
+        _sync()
         times.append(time.perf_counter() - t)
     return times
 
@@ -428,6 +459,7 @@ def _loop(model, opt, work: Path, rounds: int = 3) -> dict:
             opt.step()
             if save is not None and step % every == every // 2:
                 save(step)
+        _sync()
         return time.perf_counter() - t
 
     step_s = run(None, 3, 1) / 3  # warm-up and step time
@@ -471,14 +503,14 @@ def _loop(model, opt, work: Path, rounds: int = 3) -> dict:
 VARIANTS = ["raw-write", "copy", "torch.save", "dcp", "dcp-async", "ftkit-async", "ftkit-shm", "loop"]
 
 
-def run_variant(variant: str, gb: float, base_dir: Path, rounds: int, settle_s: float) -> dict:
+def run_variant(variant: str, gb: float, base_dir: Path, rounds: int, settle_s: float, device: str = "cpu") -> dict:
     work = Path(tempfile.mkdtemp(prefix=f"ckspeed-{variant}-", dir=base_dir))
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if variant == "loop":  # freed memory stays in the heap for the next step (see _loop)
         env.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(1 << 40))
     try:
         r = subprocess.run([sys.executable, __file__, "--worker", variant, "--size", str(gb), "--dir", str(work),
-                            "--rounds", str(rounds), "--settle", str(settle_s)],
+                            "--rounds", str(rounds), "--settle", str(settle_s), "--device", device],
                            capture_output=True, text=True, env=env, timeout=1800)
         if r.returncode != 0:
             return {"variant": variant, "error": (r.stderr or r.stdout).strip().splitlines()[-1:]}
@@ -569,10 +601,14 @@ def main() -> int:
                          "where single writes of a tenth of a second vary by +-20%% here, else 7")
     ap.add_argument("--settle", type=float, default=3.0,
                     help="seconds of pause after sync + drop caches before each timed persist or raw write")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where the state lives (cuda: the GPU; snapshots go to pinned host memory)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=argparse.SUPPRESS)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--size", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
     if args.worker:
         print(json.dumps(worker(args.worker, args.size, Path(args.dir), args.rounds or 7, args.settle)))
         return 0
@@ -580,19 +616,26 @@ def main() -> int:
     base_dir.mkdir(parents=True, exist_ok=True)
     sizes = [float(s) for s in args.sizes.split(",") if s]
     variants = args.variants.split(",")
-    print(f"checkpoint_speed: sizes {sizes} GB, scratch {base_dir}, {os.cpu_count()} CPUs")
+    gpu = ""
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: torch sees no CUDA device here")
+        gpu = f", state on {torch.cuda.get_device_name()} (torch {torch.__version__})"
+    print(f"checkpoint_speed: sizes {sizes} GB, scratch {base_dir}, {os.cpu_count()} CPUs{gpu}")
     results: dict = {}
     goals: list[dict] = []
     for gb in sizes:
         rounds = args.rounds or (15 if gb < 1 else 7)
-        res = {v: run_variant(v, gb, base_dir, rounds, args.settle)
+        res = {v: run_variant(v, gb, base_dir, rounds, args.settle, args.device)
                for v in variants if v != "loop" or gb <= args.loop_max_gb}
         results[str(gb)] = res
         goals += report(gb, res)
     failed = [g for g in goals if not g["pass"]]
     print(f"\n{len(goals) - len(failed)}/{len(goals)} goals met")
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results, "goals": goals}, indent=1))
+        Path(args.json).write_text(json.dumps({"device": args.device, "results": results, "goals": goals}, indent=1))
     return 0
 
 
