@@ -63,3 +63,34 @@ def test_async_save_of_a_cuda_model_resumes_exactly(tmp_path: Path, crash_safe: 
     model2(x).pow(2).mean().backward()
     opt2.step()
     assert all(torch.equal(a, b) for a, b in zip(after, model2.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("crash_safe", [False, True], ids=["thread", "crash-safe"])
+def test_cuda_state_whose_layout_changes_is_snapshotted_before_the_next_update(tmp_path: Path, crash_safe: bool) -> None:
+    """Copies start during the walk on the side stream (into the previous layout's buffers,
+    or segment, while it still fits); an in-place update queued right after ``save`` must not
+    reach the snapshot, also when a new buffer or segment replaces the old one."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, device="cuda", generator=g)  # noqa: E731
+    big = 64 << 20  # 256 MiB per tensor: still being copied when save() returns (thread worker)
+    states = [
+        {"x": r(big), "y": r(64, 64)},
+        {"x": r(big), "y": r(64, 64), "z": r(big)},  # appended: same prefix
+        {"x": r(big), "y": r(128, 64), "z": r(big)},  # reshaped
+        {"w": r(8), "x": r(big), "y": r(128, 64), "z": r(big)},  # inserted in front
+        {"w": r(8), "x": r(big).double(), "y": r(128, 64), "z": r(big)},  # dtype
+    ]
+    cfg = CheckpointConfig(root=tmp_path / "checkpoints")
+    with AsyncCheckpointer(cfg, async_config=ftkit.AsyncConfig(crash_safe=crash_safe), events=None) as mgr:
+        for step, state in enumerate(states, 1):
+            expect = {k: v.to("cpu", copy=True) for k, v in state.items()}
+            mgr.save(step, state)
+            for v in state.values():
+                v.mul_(2)  # queued on the compute stream right after the save
+            mgr.wait()
+            d = tmp_path / "checkpoints" / f"step-{step:08d}"
+            assert validate_dir(d, checksums=True).valid
+            got = torch.load(d / "rank-00000.pt", weights_only=True)["state"]
+            assert got.keys() == expect.keys()
+            for k, v in expect.items():
+                assert got[k].dtype == v.dtype and torch.equal(got[k], v), (step, k)
