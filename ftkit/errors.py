@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 __all__ = [
+    "EXIT_HANG",
+    "EXIT_JOBDIR_BUSY",
     "CheckpointError",
     "ConfigError",
     "FtkitError",
     "NoCheckpointError",
     "SlurmError",
 ]
+
+
+# Process exit codes a training process ends with on purpose, read by ``ftkit requeue``
+# (alongside the events log, since a launcher such as torchrun may replace the code).
+EXIT_JOBDIR_BUSY = 86
+"""Another run holds the job dir's lease: this run touched nothing and must not be requeued."""
+
+EXIT_HANG = 87
+"""The hang watchdog found no step completed within its threshold and ended the process."""
 
 
 class FtkitError(Exception):
