@@ -138,14 +138,17 @@ def _logs_above(console: Any) -> Iterator[None]:
 
     class Above(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
+            # the level shows as a colour: ftkit logs its decisions as warnings so that they
+            # reach a job's log, which on this screen would read as something gone wrong
+            style = "red" if record.levelno >= logging.ERROR else "yellow" if record.levelno >= logging.WARNING else ""
             try:
-                console.print(self.format(record), markup=False, highlight=False)
+                console.print(self.format(record), style=style, markup=False, highlight=False)
             except Exception:  # logging must never break the run
                 self.handleError(record)
 
     root = logging.getLogger()
     handler = Above()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
     before = root.handlers[:]
     root.handlers = [handler]
     try:
