@@ -92,9 +92,9 @@ def _demo(args: argparse.Namespace) -> int:
                         live.update(_panel(info, started, first[0], args.steps))
                 result = train(settings, on_step=on_step)
     except KeyboardInterrupt:
-        console.print(f"[red]interrupted[/] (Ctrl-C twice, or before training started): nothing more was "
-                      f"saved; the same command resumes from the newest valid checkpoint "
-                      f"(`ftkit ls {args.jobdir}`)", highlight=False)
+        console.print(f"interrupted (Ctrl-C twice, or before training started): nothing more was saved; "
+                      f"the same command resumes from the newest valid checkpoint (`ftkit ls {args.jobdir}`)",
+                      style="red", markup=False, highlight=False)
         raise
     console.print(_ending(result, args.jobdir, trained=bool(first)), highlight=False)
     return 0
