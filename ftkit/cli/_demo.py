@@ -64,11 +64,12 @@ def _demo(args: argparse.Namespace) -> int:
     console.print("[bold]Poke it from another terminal:[/]")
     console.print(_instructions(args.jobdir, os.getpid()), highlight=False)
     console.print("Run the same command again and it resumes exactly where it stopped.")
-    started = time.monotonic()
-    first: list[int] = []
+    first: list[int] = []  # the step this run starts from
+    began: list[float] = []  # when it did: the rate leaves out imports and loading
 
     def starting(info: StepInfo) -> None:
         first.append(info.step - 1)
+        began.append(time.monotonic())
         console.print(f"resuming from the checkpoint of step {first[0]}" if first[0]
                       else "no checkpoint yet: starting from step 0", highlight=False)
 
@@ -78,19 +79,23 @@ def _demo(args: argparse.Namespace) -> int:
                 if not first:
                     starting(info)
                 if info.step % 100 == 0:
-                    console.print(_line(info, started, first[0]), highlight=False)
+                    console.print(_line(info, began[0], first[0]), highlight=False)
             result = train(settings, on_step=on_step)
         else:
             from rich.live import Live
 
-            with _no_flush_on_interrupt(), Live(console=console, refresh_per_second=8, transient=False) as live, \
-                    _logs_above(console):
+            with Live(console=console, refresh_per_second=8, transient=False) as live, _logs_above(console):
+                last: list[StepInfo] = []
+
                 def on_step(info: StepInfo) -> None:
                     if not first:
                         starting(info)
+                    last[:] = [info]
                     if info.step % 5 == 0:
-                        live.update(_panel(info, started, first[0], args.steps))
+                        live.update(_panel(info, began[0], first[0], args.steps))
                 result = train(settings, on_step=on_step)
+                if last:  # the last step and the checkpoint saved on the way out
+                    live.update(_panel(last[0], began[0], first[0], args.steps))
     except KeyboardInterrupt:
         console.print(f"interrupted (Ctrl-C twice, or before training started): nothing more was saved; "
                       f"the same command resumes from the newest valid checkpoint (`ftkit ls {args.jobdir}`)",
@@ -98,33 +103,6 @@ def _demo(args: argparse.Namespace) -> int:
         raise
     console.print(_ending(result, args.jobdir, trained=bool(first)), highlight=False)
     return 0
-
-
-@contextlib.contextmanager
-def _no_flush_on_interrupt() -> Iterator[None]:
-    """Set the terminal's ``NOFLSH`` while the live display runs, restored after.
-
-    Ctrl-C makes the terminal drop the output not yet shown; a display redraw cut in half
-    leaves duplicated lines on screen. The demo takes Ctrl-C as a request to save and exit
-    and goes on drawing, so nothing on the way to the screen should be thrown away.
-    """
-    import sys
-
-    try:
-        import termios
-
-        fd = sys.stdout.fileno()
-        before = termios.tcgetattr(fd)
-    except (ImportError, OSError, ValueError, AttributeError):  # not a terminal
-        yield
-        return
-    after = list(before)
-    after[3] |= termios.NOFLSH
-    termios.tcsetattr(fd, termios.TCSANOW, after)
-    try:
-        yield
-    finally:
-        termios.tcsetattr(fd, termios.TCSANOW, before)
 
 
 @contextlib.contextmanager
