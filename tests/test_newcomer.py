@@ -36,7 +36,9 @@ class Venv:
 
 
 def _pip(venv: Path, *args: str) -> None:
-    out = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q",
+    # --no-compile: no bytecode for torch's thousands of modules up front (about half of the
+    # install's time); the few the demo imports are compiled when first imported
+    out = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile",
                           "--disable-pip-version-check", *args],
                          capture_output=True, text=True, timeout=900, check=False)
     assert out.returncode == 0, f"pip install {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"
