@@ -208,7 +208,7 @@ def _details(e: dict[str, Any]) -> str:
         if e.get("completed"):
             return "training completed"
         reasons = "; ".join(map(str, e.get("reasons") or []))
-        wish = {True: ", asks for a requeue", False: ", no requeue"}.get(e.get("requeue"), "")
+        wish = _wish(e.get("requeue"))
         return escape(f"stopped: {reasons}{wish}" if reasons else f"stopped{wish}")
     if kind == "start":
         parts = [f"world size {e['world_size']}"] if e.get("world_size") else []
@@ -220,7 +220,7 @@ def _details(e: dict[str, Any]) -> str:
     reasons = "; ".join(map(str, e.get("reasons") or [])) if isinstance(e.get("reasons"), list) else ""
     if kind == "decision":
         what = _ACTIONS.get(str(e.get("action")), str(e.get("action", "")).lower())
-        wish = {True: ", asks for a requeue", False: ", no requeue"}.get(e.get("requeue"), "")
+        wish = _wish(e.get("requeue"))
         return escape(f"{what}{wish}: {reasons}" if reasons else f"{what}{wish}")
     if kind == "save":
         took = f" in {float(e['seconds']):.2f} s" if isinstance(e.get("seconds"), (int, float)) else ""
@@ -228,6 +228,10 @@ def _details(e: dict[str, Any]) -> str:
     if kind == "load" and e.get("path"):
         return escape(f"loaded {Path(str(e['path'])).name}")
     return escape(reasons or str(e.get("reason") or e.get("action") or ""))
+
+
+def _wish(requeue: Any) -> str:
+    return ", asks for a requeue" if requeue is True else ", no requeue" if requeue is False else ""
 
 
 _ACTIONS = {"SAVE": "save", "SAVE_EXIT": "save and exit", "EXIT": "exit without saving"}
