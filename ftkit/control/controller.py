@@ -344,7 +344,7 @@ class FaultTolerance:
         if self._checkpoints is None:
             from ..checkpoint import CheckpointConfig, make_manager
 
-            cfg = self.config.checkpoint or CheckpointConfig(root=self.job.checkpoints)
+            cfg = (self.config.checkpoint or CheckpointConfig()).under(self.job.root)
             if self.config.async_save is not None:
                 from ..checkpoint import AsyncCheckpointer
 
