@@ -83,7 +83,7 @@ def test_handlers_chain_and_restore() -> None:
     old = signal.signal(signal.SIGUSR2, previous)
     try:
         box = RequestBox()
-        with SignalTrigger(SignalConfig(actions={"SIGUSR2": "save"}), box):
+        with SignalTrigger(SignalConfig(actions={"SIGUSR2": "save"}, chain=True), box):
             assert signal.getsignal(signal.SIGUSR2) is not previous
             os.kill(os.getpid(), signal.SIGUSR2)
         assert seen == [signal.SIGUSR2] and len(box.drain()) == 1
@@ -126,9 +126,9 @@ def test_ctrl_c_handler_installed_before_is_not_called() -> None:
         signal.signal(signal.SIGINT, old)
 
 
-def test_a_raising_handler_installed_before_cannot_end_the_step() -> None:
-    """chain=True (default): a previous Python handler still sees its signal; what it raises is
-    held back and named in the request, so the step goes on to the save."""
+def test_a_raising_handler_installed_before_is_not_called_for_an_owned_signal() -> None:
+    """By default a mapped signal is ftkit's alone: a previous handler that would exit is not
+    called, the request is recorded and the handler is put back on close."""
     seen: list[int] = []
 
     def exits(signum, frame):
@@ -139,6 +139,26 @@ def test_a_raising_handler_installed_before_cannot_end_the_step() -> None:
     try:
         box = RequestBox()
         with SignalTrigger(SignalConfig(actions={"TERM": "save-exit"}), box):
+            signal.raise_signal(signal.SIGTERM)  # no SystemExit here
+        assert seen == [] and [r.reason for r in box.drain()] == ["SIGTERM received"]
+        assert signal.getsignal(signal.SIGTERM) is exits
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def test_a_raising_handler_chained_on_request_cannot_end_the_step() -> None:
+    """chain=True: a previous Python handler still sees its signal; what it raises is held back
+    and named in the request, so the step goes on to the save."""
+    seen: list[int] = []
+
+    def exits(signum, frame):
+        seen.append(signum)
+        raise SystemExit(9)
+
+    old = signal.signal(signal.SIGTERM, exits)
+    try:
+        box = RequestBox()
+        with SignalTrigger(SignalConfig(actions={"TERM": "save-exit"}, chain=True), box):
             signal.raise_signal(signal.SIGTERM)
         [request] = box.drain()
         assert seen == [signal.SIGTERM]
@@ -148,7 +168,7 @@ def test_a_raising_handler_installed_before_cannot_end_the_step() -> None:
         signal.signal(signal.SIGTERM, old)
 
 
-def test_chain_off_the_handler_installed_before_is_not_called() -> None:
+def test_chain_off_explicitly_the_handler_installed_before_is_not_called() -> None:
     seen: list[int] = []
 
     def raises(signum, frame):

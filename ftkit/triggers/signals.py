@@ -6,11 +6,13 @@ to save and exit. The handlers in place before ftkit's are restored on ``close``
 
 A signal ftkit maps is ftkit's while it runs: nothing installed before may end the step
 half-way, or the save it asks for never happens. So the previous handler is never called
-when it is Python's ``default_int_handler`` (Ctrl-C raising ``KeyboardInterrupt``) or not a
-Python function (``SIG_DFL`` would kill the process, ``SIG_IGN`` does nothing). Any other
-Python handler is still called after ftkit records (a framework's or the user's own recorder
-keeps seeing its signal), unless ``chain`` is off; whatever it raises (``SystemExit``,
-``KeyboardInterrupt``, an error) is held back and named in the request's reason.
+by default: ftkit records the request and the step ends normally. A layer that needs to keep
+seeing its signal (submitit's own recorder, a user's) asks for it with ``chain=True``: then
+the previous *Python* handler is called after ftkit records, except Python's
+``default_int_handler`` (Ctrl-C raising ``KeyboardInterrupt``) and what is not a Python
+function (``SIG_DFL`` would kill the process, ``SIG_IGN`` does nothing); whatever it raises
+(``SystemExit``, ``KeyboardInterrupt``, an error) is held back and named in the request's
+reason. Signals ftkit does not map are never touched.
 
 The one way out at once: a second ``SIGINT`` within ``interrupt_window`` seconds of the one
 before raises ``KeyboardInterrupt``, as Ctrl-C twice does in any terminal program. Nothing
@@ -66,11 +68,11 @@ class SignalConfig:
     enabled: bool = True
     """Install handlers at all. Off when another layer (e.g. a launcher) owns signals."""
 
-    chain: bool = True
-    """Also call the Python handler installed before ftkit's for a mapped signal, after ftkit
-    records it; what that handler raises is held back, so it cannot end the step. Never
-    Python's Ctrl-C handler (``KeyboardInterrupt``), ``SIG_DFL`` or ``SIG_IGN``. Off: the
-    previous handler is not called at all (it is still restored on close)."""
+    chain: bool = False
+    """Off (default): a mapped signal is ftkit's alone; the handler installed before is not
+    called (it is restored on close). On: also call that handler if it is a Python function,
+    after ftkit records; what it raises is held back, so it cannot end the step. Never
+    Python's Ctrl-C handler (``KeyboardInterrupt``), ``SIG_DFL`` or ``SIG_IGN``."""
 
     interrupt_window: float | None = 2.0
     """Seconds: a second ``SIGINT`` (Ctrl-C) this soon after the one before, when ``INT`` is
