@@ -114,10 +114,11 @@ class ResumableSampler(Sampler[int]):
 
     def set_position(self, position: int) -> None:
         """Resume the current epoch after ``position`` indices of this rank (e.g. what a
-        prefetching DataLoader really consumed), counted like :attr:`position`: from the
-        epoch's beginning, or, in a run that resumed the epoch on another number of ranks,
-        from where it resumed it (``start``), i.e. this rank's indices since this process
-        began iterating the epoch."""
+        prefetching DataLoader really consumed), counted from where this run began the epoch.
+
+        Like :attr:`position`, it counts from the epoch's beginning, or, in a run that
+        resumed the epoch on another number of ranks, from where that run resumed it
+        (``start`` indices of the epoch were consumed before)."""
         self.position = position
 
     def state_dict(self) -> dict[str, Any]:
