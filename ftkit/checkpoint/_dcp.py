@@ -21,7 +21,6 @@ bytes reached the disk intact; the fsync of DCP's writer (``sync_files=True``) c
 
 from __future__ import annotations
 
-import logging
 import os
 import warnings
 from collections.abc import Mapping
@@ -42,23 +41,17 @@ from torch.distributed.checkpoint.state_dict import (
 from ..errors import CheckpointError
 from ._files import CHECKSUM, crc32_file, fsync_dir
 from ._layout import DCP_DIR
+from ._load import match_keys
 from ._state import clone_tensors
 
 __all__ = [
     "load_full",
     "load_sharded",
-    "match_keys",
     "save_sharded",
     "saved_keys",
     "sharded_keys",
     "snapshot_sharded",
 ]
-
-log = logging.getLogger(__name__)
-
-# what torch's state_dict helpers leave out of a parameter's name (DDP, torch.compile, FSDP1,
-# activation checkpointing)
-_WRAPPERS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 
 def sharded_keys(state: Mapping[str, Any]) -> frozenset[str]:
@@ -171,24 +164,6 @@ def _set(state: Mapping[str, Any], keys: frozenset[str], sds: dict[str, Any], op
             set_model_state_dict(value, sds[key], options=options)
         else:
             set_optimizer_state_dict(_owner(state, key, value), value, sds[key], options=options)
-
-
-def _canonical(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
-
-
-def match_keys(saved: Mapping[str, Any], names: list[str], where: str) -> dict[str, Any]:
-    """``saved`` (a module's state dict) renamed to ``names``, where the two differ only by
-    wrapper prefixes (a model saved inside DDP, loaded without it, or the reverse). Anything
-    else is returned as it is, for ``load_state_dict`` to name the keys that do not match."""
-    if set(saved) == set(names):
-        return dict(saved)
-    live = {_canonical(n): n for n in names}
-    renamed = {live.get(_canonical(k), k): v for k, v in saved.items()}
-    if len(live) == len(names) and set(renamed) == set(names) and len(renamed) == len(saved):
-        return renamed
-    log.debug("%s: saved names do not match the live ones, even without wrapper prefixes", where)
-    return dict(saved)
 
 
 def _optimizer_by_name(

@@ -33,9 +33,13 @@ from ..errors import CheckpointError
 from ._config import CheckpointConfig
 from ._layout import DCP_DIR
 
-__all__ = ["check_missing", "describe_rule", "is_dcp"]
+__all__ = ["check_missing", "describe_rule", "is_dcp", "match_keys"]
 
 log = logging.getLogger(__name__)
+
+# what torch's state_dict helpers leave out of a parameter's name (DDP, torch.compile, FSDP1,
+# activation checkpointing)
+_WRAPPERS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 
 def is_dcp(files: Mapping[str, Any]) -> bool:
@@ -99,3 +103,21 @@ def describe_rule(path: Path, saved: int, current: int) -> str:
             f"per-rank state; that of {gone} (RNG streams, per-rank values) is not used"
         )
     return "; ".join(words)
+
+
+def _canonical(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
+
+
+def match_keys(saved: Mapping[str, Any], names: list[str], where: str) -> dict[str, Any]:
+    """``saved`` (a module's state dict) renamed to ``names``, where the two differ only by
+    wrapper prefixes (a model saved inside DDP, loaded without it, or the reverse). Anything
+    else is returned as it is, for ``load_state_dict`` to name the keys that do not match."""
+    if set(saved) == set(names):
+        return dict(saved)
+    live = {_canonical(n): n for n in names}
+    renamed = {live.get(_canonical(k), k): v for k, v in saved.items()}
+    if len(live) == len(names) and set(renamed) == set(names) and len(renamed) == len(saved):
+        return renamed
+    log.debug("%s: saved names do not match the live ones, even without wrapper prefixes", where)
+    return dict(saved)

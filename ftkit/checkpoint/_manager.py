@@ -32,7 +32,7 @@ from ._comm import Comm
 from ._config import CheckpointConfig, CheckpointInfo
 from ._files import atomic_write_bytes, fsync_dir
 from ._layout import DCP_DIR, LATEST, PIN, SENTINEL, list_step_dirs, rank_file, step_name
-from ._load import check_missing, describe_rule, is_dcp
+from ._load import check_missing, describe_rule, is_dcp, match_keys
 from ._manifest import build_manifest, validate_dir, verify_files, write_manifest
 from ._pins import pin_checkpoint, unpin_checkpoint
 from ._retention import delete_checkpoint, plan_retention
@@ -383,8 +383,6 @@ class Checkpointer:
             rest = {k: v for k, v in live.items() if k not in keys}  # the rest is per-rank state
             saved = {k: v for k, v in saved.items() if k not in keys}
         else:
-            from ._dcp import match_keys
-
             for key, value in live.items():  # a model saved inside DDP loads without it, and back
                 if isinstance(value, torch.nn.Module) and key in saved:
                     saved[key] = match_keys(saved[key], list(value.state_dict()), f"{path}: state[{key!r}]")
