@@ -369,7 +369,10 @@ class FaultTolerance:
         if self._no_save_at_start:
             return 0
         step = self.checkpoints.load(self._require_state())
-        self.events.emit("resume", step=step)
+        # the run that saved it may have had another number of ranks (custom managers: unknown)
+        loaded = getattr(self.checkpoints, "loaded", None) if step is not None else None
+        saved_world = getattr(loaded, "world_size", None)
+        self.events.emit("resume", step=step, world_size=self.world_size, saved_world_size=saved_world)
         self._last_saved_step = step
         return 0 if step is None else int(step)
 
