@@ -20,7 +20,14 @@ import pytest
 import ftkit
 from ftkit.errors import EXIT_JOBDIR_BUSY, ConfigError
 from ftkit.events import read_events
-from ftkit.lease import JobDirBusyError, LeaseConfig, LeaseRecord, describe_lease, judge, lease_status
+from ftkit.lease import (
+    JobDirBusyError,
+    LeaseConfig,
+    LeaseRecord,
+    describe_lease,
+    judge,
+    lease_status,
+)
 from tests.ckpt_helpers import env, free_port
 from tests.conftest import wait_for
 
@@ -265,9 +272,9 @@ def test_judge(held, me, lock_free, alive, kind, why) -> None:
 
 
 def test_lease_config_is_checked() -> None:
-    with pytest.raises(ConfigError, match="lease.stale_after"):
+    with pytest.raises(ConfigError, match=r"lease\.stale_after"):
         LeaseConfig(heartbeat=10, stale_after=20)
-    with pytest.raises(ConfigError, match="lease.heartbeat"):
+    with pytest.raises(ConfigError, match=r"lease\.heartbeat"):
         LeaseConfig(heartbeat=0)
 
 
