@@ -289,3 +289,43 @@ def test_record_roundtrip_and_garbage(tmp_path: Path) -> None:
     assert LeaseRecord.from_json(rec.to_json()) == rec
     (tmp_path / "lease.json").write_text("{not json")
     assert LeaseRecord.read(tmp_path / "lease.json") is None
+
+
+@needs_unshare
+def test_a_holder_cut_off_past_the_stale_time_loses_the_lease_and_stops_without_saving(tmp_path: Path) -> None:
+    """SIGSTOP stands for a node cut off from the file server: alive, lock still held, no
+    heartbeat. The next run breaks the lock (a new lease.lock) and trains; once the old holder
+    runs again it finds the lease gone and exits at its next check without saving."""
+    jobdir, control = tmp_path / "job", tmp_path / "ctl"
+    (first,) = launch(jobdir, control, "--hold-at", "5", "--heartbeat", "0.2", "--stale-after", "1",
+                      host="other-node", SLURM_JOB_ID="100")
+    try:
+        (pid,) = holding(control)
+        old_lock = (jobdir / "lease.lock").stat().st_ino
+        first.send_signal(signal.SIGSTOP)
+        wait_for(lambda: lease_status(jobdir)["state"] == "stale", 30, what="the stopped holder going stale")
+        ((rc, err),) = finish(launch(jobdir, tmp_path / "ctl2", "--heartbeat", "0.2", "--stale-after", "1",
+                                     SLURM_JOB_ID="200"))
+        assert rc == 0, err
+        (takeover,) = events(jobdir, "lease-takeover")
+        assert takeover["previous"]["pid"] == pid and "no heartbeat for" in takeover["reason"]
+        assert (jobdir / "lease.lock").stat().st_ino != old_lock  # the held lock was broken, not shared
+        assert_all_checkpoints_valid(jobdir)
+        saved_by_second = {e["step"] for e in events(jobdir, "save")}
+        first.send_signal(signal.SIGCONT)
+        (lost,) = wait_for(lambda: events(jobdir, "lease-lost"), 60, what="lease-lost from the old holder")
+        assert lost["pid"] == pid
+        (control / "release").touch()
+        ((rc, err),) = finish([first])
+    finally:
+        if first.poll() is None:
+            first.send_signal(signal.SIGCONT)
+            (control / "release").touch()
+            finish([first])
+    assert rc == 0, err
+    assert (control / "done-rank0").read_text() == "False"
+    (exit_event,) = [e for e in events(jobdir, "exit") if e["pid"] == pid]
+    assert exit_event["requeue"] is False and "lost the lease" in exit_event["reasons"][0]
+    assert {e["step"] for e in events(jobdir, "save")} == saved_by_second  # the old holder saved nothing more
+    assert_all_checkpoints_valid(jobdir)
+    assert lease_status(jobdir)["state"] == "released" and lease_status(jobdir)["job_id"] == "200"

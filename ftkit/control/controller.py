@@ -167,7 +167,7 @@ class FaultTolerance:
 
     def close(self) -> None:
         """Wait until pending checkpoints are durable, stop watchers, restore signal handlers,
-        remove spent request files and write the ``exit`` event."""
+        remove spent request files, write the ``exit`` event and release the job dir's lease."""
         if not self._started:
             return
         self._started = False
