@@ -130,6 +130,8 @@ class LeaseRecord:
 
     job_id: str | None
     restart_count: int
+    attempt: int = 0
+    """``TORCHELASTIC_RESTART_COUNT``: torchrun's worker restarts within this run (0 without torchrun)."""
     host: str
     pid: int
     world_size: int = 1
@@ -154,7 +156,7 @@ class LeaseRecord:
         try:
             return cls(
                 job_id=None if raw.get("job_id") is None else str(raw["job_id"]),
-                restart_count=int(raw.get("restart_count") or 0), host=str(raw["host"]), pid=int(raw["pid"]),
+                restart_count=int(raw.get("restart_count") or 0), attempt=int(raw.get("attempt") or 0), host=str(raw["host"]), pid=int(raw["pid"]),
                 world_size=int(raw.get("world_size") or 1), started=float(raw["started"]),
                 heartbeat=float(raw["heartbeat"]), heartbeat_every=float(raw.get("heartbeat_every") or 30.0),
                 stale_after=float(raw.get("stale_after") or 300.0),
@@ -181,6 +183,8 @@ class LeaseRecord:
     @property
     def holder(self) -> str:
         job = f"SLURM job {self.job_id} (restart {self.restart_count})" if self.job_id else "a run outside SLURM"
+        if self.attempt:
+            job += f" (torchrun restart {self.attempt})"
         return f"{job}, pid {self.pid} on {self.host}"
 
     def describe(self, now: float) -> str:
@@ -225,16 +229,21 @@ def judge(held: LeaseRecord | None, me: LeaseRecord, *, lock_free: bool, now: fl
         age = now - held.heartbeat
         hung = f"; its heartbeat is {age:.0f} s old: if it hangs, end it (kill {held.pid})" if age > held.heartbeat_every * 3 else ""
         return Verdict("busy", f"it is running on this host{hung}")
-    if me.job_id is not None and held.job_id == me.job_id and held.restart_count < me.restart_count:
-        return Verdict("takeover", f"it is restart {held.restart_count} of this SLURM job {me.job_id}, which is now "
-                       f"at restart {me.restart_count} (SLURM runs one instance of a job at a time)")
+    if me.job_id is not None and held.job_id == me.job_id:
+        if held.restart_count < me.restart_count:
+            return Verdict("takeover", f"it is restart {held.restart_count} of this SLURM job {me.job_id}, which is "
+                           f"now at restart {me.restart_count} (SLURM runs one instance of a job at a time)")
+        if held.restart_count == me.restart_count and held.attempt < me.attempt:
+            return Verdict("takeover", f"it is torchrun restart {held.attempt} of this run of SLURM job {me.job_id}, "
+                           f"which is now at torchrun restart {me.attempt} (torchrun stops every worker first)")
     if lock_free and _same_host_gone(held, me, pid_alive):
         return Verdict("takeover", f"its process {held.pid} on this host is gone (it ended without releasing)")
     limit = max(stale_after, held.stale_after)
     age = now - held.heartbeat
     if age > limit:
         return Verdict("takeover", f"no heartbeat for {age:.0f} s (stale after {limit:g} s: its node is taken to be lost)")
-    return Verdict("busy", f"its last heartbeat was {max(age, 0.0):.0f} s ago (taken over after {limit:g} s without one)")
+    return Verdict("busy", f"its last heartbeat was {max(age, 0.0):.0f} s ago (taken over after {limit:g} s without one; "
+                   "if that run is gone for sure, remove lease.json to free the job dir now)")
 
 
 def pid_alive(pid: int) -> bool:
@@ -253,6 +262,13 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _int_env(name: str) -> int:
+    try:
+        return int(os.environ.get(name, "") or 0)
+    except ValueError:
+        return 0
 
 
 # -- locks -------------------------------------------------------------------------------
@@ -306,7 +322,8 @@ class Lease:
         self._clock = clock
         self._on_lost = on_lost
         now = clock()
-        self.record = LeaseRecord(job_id=job_id, restart_count=restart_count, host=socket.gethostname(),
+        self.record = LeaseRecord(job_id=job_id, restart_count=restart_count,
+                                  attempt=_int_env("TORCHELASTIC_RESTART_COUNT"), host=socket.gethostname(),
                                   pid=os.getpid(), world_size=world_size, started=now, heartbeat=now,
                                   heartbeat_every=config.heartbeat, stale_after=config.stale_after)
         self._fd: int | None = None

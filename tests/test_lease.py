@@ -264,6 +264,10 @@ def _rec(**kw) -> LeaseRecord:
     ({"host": "b", "job_id": "7", "restart_count": 1}, {"job_id": "7", "restart_count": 1}, True, True, "busy", ""),
     ({"host": "b", "job_id": "7"}, {"job_id": "8", "restart_count": 1}, True, True, "busy", ""),
     ({"job_id": "7"}, {"job_id": "7", "restart_count": 1, "pid": 11}, False, True, "busy", "on this host"),
+    ({"host": "b", "job_id": "7", "attempt": 1}, {"job_id": "7", "attempt": 2}, False, True, "takeover", "torchrun"),
+    ({"host": "b", "job_id": "7", "attempt": 2}, {"job_id": "7", "restart_count": 1}, False, True, "takeover", "restart 0"),
+    ({"host": "b", "job_id": "7", "attempt": 2, "restart_count": 1}, {"job_id": "7", "attempt": 3}, True, True, "busy", ""),
+    ({"host": "b", "attempt": 1}, {"attempt": 2}, True, True, "busy", "remove lease.json"),  # no job id: no identity
 ])
 def test_judge(held, me, lock_free, alive, kind, why) -> None:
     verdict = judge(None if held is None else _rec(**held), _rec(**me), lock_free=lock_free, now=200.0,
