@@ -28,6 +28,8 @@ __all__ = [
     "Decision",
     "FaultTolerance",
     "FtkitError",
+    "JobDirBusyError",
+    "LeaseConfig",
     "NoCheckpointError",
     "ResumableSampler",
     "SignalConfig",
@@ -53,6 +55,8 @@ _LAZY = {
     "CheckpointError": "ftkit.errors",
     "NoCheckpointError": "ftkit.errors",
     "SlurmError": "ftkit.errors",
+    "LeaseConfig": "ftkit.lease",
+    "JobDirBusyError": "ftkit.lease",
 }
 
 if TYPE_CHECKING:
@@ -61,6 +65,7 @@ if TYPE_CHECKING:
     from .control.controller import Config, FaultTolerance
     from .decision import Action, Decision
     from .errors import CheckpointError, ConfigError, FtkitError, NoCheckpointError, SlurmError
+    from .lease import JobDirBusyError, LeaseConfig
     from .triggers.budget import BudgetConfig
     from .triggers.files import WatchConfig
     from .triggers.signals import SignalConfig

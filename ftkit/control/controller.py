@@ -13,6 +13,7 @@ from ..decision import Action, Decision, Request, RequestBox, Source
 from ..errors import CheckpointError, ConfigError
 from ..events import EventLog
 from ..jobdir import JobDir
+from ..lease import Lease, LeaseConfig, take_lease
 from ..triggers.budget import BudgetConfig, TimeBudget
 from ..triggers.files import SwitchWatcher, WatchConfig
 from ..triggers.signals import SignalConfig, SignalTrigger
@@ -50,6 +51,9 @@ class Config:
 
     save_at_end: bool = True
     """Save a checkpoint when ``range()`` reaches the last step."""
+
+    lease: LeaseConfig = field(default_factory=LeaseConfig)
+    """One run per job dir: rank 0 holds ``JOBDIR/lease.lock``; a second run exits with code 86."""
 
     def __post_init__(self) -> None:
         if self.save_every is not None and (not isinstance(self.save_every, int) or self.save_every < 1):
@@ -111,15 +115,31 @@ class FaultTolerance:
         self._to_consume: list[Decision] = []  # decisions whose files go once their save is durable
         self._started = False
         self._crash: str | None = None
+        self._lease: Lease | None = None
         self.completed = False
 
     # -- life cycle -------------------------------------------------------------------------
 
     def start(self) -> FaultTolerance:
-        """Install signal handlers, start watching the job dir, resolve the time budget and
-        write the ``start`` event. Idempotent; ``range``, ``resume`` and ``with`` call it."""
+        """Take the job dir's lease, install signal handlers, start watching the job dir,
+        resolve the time budget and write the ``start`` event. Idempotent; ``range``,
+        ``resume`` and ``with`` call it.
+
+        Raises :class:`ftkit.lease.JobDirBusyError` (a ``SystemExit`` with code 86) on every
+        rank when another run holds the lease; nothing was started then, and only the
+        ``lease-refused`` event was written."""
         if self._started:
             return self
+        from ..slurm.env import SlurmEnv
+
+        slurm = SlurmEnv.from_env()
+        if self.world_size > 1:
+            self._collective = Collective(self.config.agreement, self._group)
+        self._lease = take_lease(
+            self.job, self.config.lease, events=self.events, rank=self.rank, world_size=self.world_size,
+            group=self._group, device=self.config.agreement.device, job_id=slurm.job_id,
+            restart_count=slurm.restart_count,
+            on_lost=lambda why: self.box.post(Request(Action.EXIT, Source.API, why, requeue=False)))
         self._started = True
         if self.job.kill_switch.is_file() and not self.job.kill_switch.is_symlink():
             self._no_save_at_start = True
@@ -134,11 +154,6 @@ class FaultTolerance:
                 "time budget: only %.0f s left at start, less than save %.0f s + margin %.0f s; the "
                 "job will stop after its first step. Ask for more time or lower budget.margin / "
                 "budget.save_estimate", left, self.budget.save_estimate, self.budget.config.margin)
-        if self.world_size > 1:
-            self._collective = Collective(self.config.agreement, self._group)
-        from ..slurm.env import SlurmEnv
-
-        slurm = SlurmEnv.from_env()
         self.events.emit(
             "start",
             world_size=self.world_size,
@@ -152,7 +167,7 @@ class FaultTolerance:
 
     def close(self) -> None:
         """Wait until pending checkpoints are durable, stop watchers, restore signal handlers,
-        remove spent request files and write the ``exit`` event."""
+        remove spent request files, write the ``exit`` event and release the job dir's lease."""
         if not self._started:
             return
         self._started = False
@@ -182,6 +197,9 @@ class FaultTolerance:
                 reasons=[] if final is None else list(final.reasons),
                 error=self._crash,
             )
+            if self._lease is not None:  # last: the next run may start once everything is written
+                self._lease.release()
+                self._lease = None
 
     def __enter__(self) -> FaultTolerance:
         return self.start()
