@@ -56,7 +56,7 @@ _LAZY = {
     "NoCheckpointError": "ftkit.errors",
     "SlurmError": "ftkit.errors",
     "LeaseConfig": "ftkit.lease",
-    "JobDirBusyError": "ftkit.lease",
+    "JobDirBusyError": "ftkit.errors",
 }
 
 if TYPE_CHECKING:
@@ -64,8 +64,15 @@ if TYPE_CHECKING:
     from .control.agreement import AgreementConfig
     from .control.controller import Config, FaultTolerance
     from .decision import Action, Decision
-    from .errors import CheckpointError, ConfigError, FtkitError, NoCheckpointError, SlurmError
-    from .lease import JobDirBusyError, LeaseConfig
+    from .errors import (
+        CheckpointError,
+        ConfigError,
+        FtkitError,
+        JobDirBusyError,
+        NoCheckpointError,
+        SlurmError,
+    )
+    from .lease import LeaseConfig
     from .triggers.budget import BudgetConfig
     from .triggers.files import WatchConfig
     from .triggers.signals import SignalConfig

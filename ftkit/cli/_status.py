@@ -82,6 +82,7 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
     from ..checkpoint._layout import list_step_dirs
     from ..events import read_events
     from ..jobdir import JobDir
+    from ..lease import lease_status
 
     if not Path(jobdir).is_dir():
         raise ConfigError(f"job dir {jobdir} does not exist; pass the directory the job was started with")
@@ -123,6 +124,7 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
         "time": now,
         "running": running,
         "slurm": slurm,
+        "lease": lease_status(job.root, now=now),
         "save_switch": job.save_switch.is_file(),
         "kill_switch": job.kill_switch.is_file(),
         "requests": requests,
@@ -154,6 +156,11 @@ def _status(args: argparse.Namespace) -> int:
         left = "" if s.get("time_left") is None else f", {s['time_left']:.0f} s left"
         console.print(f"SLURM job {s['job_id']}: {s.get('state') or s.get('error')}"
                       f"{'' if not s.get('reason') or s['reason'] == 'None' else ' (' + s['reason'] + ')'}{left}")
+    if status["lease"]:
+        lease = status["lease"]
+        colour = {"held": "", "stale": "yellow", "released": "dim"}.get(lease["state"], "")
+        text = escape(f"lease: {lease['description']}")
+        console.print(f"[{colour}]{text}[/]" if colour else text, highlight=False)
     pending = []
     if status["save_switch"]:
         pending.append("save-switch (save at the next step)")

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import EXIT_JOBDIR_BUSY, ConfigError, FtkitError
+from ..errors import ConfigError, JobDirBusyError
 from ..jobdir import JobDir
 
 __all__ = [
@@ -58,24 +58,6 @@ class LeaseConfig:
         if self.stale_after < 3 * self.heartbeat:
             raise ConfigError(f"lease.stale_after ({self.stale_after:g} s) must be at least 3 x lease.heartbeat "
                               f"({self.heartbeat:g} s), so a late heartbeat is not taken for a dead holder")
-
-
-class JobDirBusyError(FtkitError, SystemExit):
-    """Another run holds the job dir's lease; this run touched nothing but the events log.
-
-    Also a ``SystemExit`` with ``code`` 86: uncaught, the process exits with 86 and no
-    traceback (the message was logged when it was raised); ``except FtkitError`` catches it.
-    """
-
-    exit_code = EXIT_JOBDIR_BUSY
-
-    def __init__(self, message: str, holder: LeaseRecord | None = None) -> None:
-        super().__init__(message)
-        self.code = EXIT_JOBDIR_BUSY
-        self.holder = holder
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
 
 
 # -- the record --------------------------------------------------------------------------
