@@ -33,6 +33,7 @@ __all__ = [
     "SignalConfig",
     "SlurmError",
     "WatchConfig",
+    "WatchdogConfig",
     "__version__",
 ]
 
@@ -45,6 +46,7 @@ _LAZY = {
     "SignalConfig": "ftkit.triggers.signals",
     "WatchConfig": "ftkit.triggers.files",
     "BudgetConfig": "ftkit.triggers.budget",
+    "WatchdogConfig": "ftkit.control.watchdog",
     "CheckpointConfig": "ftkit.checkpoint",
     "AsyncConfig": "ftkit.checkpoint",
     "ResumableSampler": "ftkit.checkpoint",
@@ -59,6 +61,7 @@ if TYPE_CHECKING:
     from .checkpoint import AsyncConfig, CheckpointConfig, ResumableSampler
     from .control.agreement import AgreementConfig
     from .control.controller import Config, FaultTolerance
+    from .control.watchdog import WatchdogConfig
     from .decision import Action, Decision
     from .errors import CheckpointError, ConfigError, FtkitError, NoCheckpointError, SlurmError
     from .triggers.budget import BudgetConfig
