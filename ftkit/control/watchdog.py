@@ -417,7 +417,7 @@ class Watchdog:
         """Python stacks of every thread, then native frames when py-spy is there."""
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
-            f.write(f"ftkit hang watchdog: rank {self._rank} on {self._host} (pid {os.getpid()}) "
+            f.write(f"hang watchdog (ftkit): rank {self._rank} on {self._host} (pid {os.getpid()}) "
                     f"completed no step for {waited:.1f} s (allowed {allowance:.1f} s: {why})\n"
                     f"last completed step: {me.step} at {_iso(me.last_step_wall)}\n"
                     f"main thread: {me.frame}\n\n")
