@@ -142,6 +142,9 @@ def test_a_rank_stuck_outside_collectives_is_named_though_every_rank_fires(tmp_p
     assert set(hangs) == {0, 1}
     assert hangs[1]["step"] == 24 and hangs[1]["waiting"] is False and hangs[1]["frame"].endswith("_deadlock")
     assert hangs[0]["waiting"] is True
+    # only the first to declare read its peers' heartbeats (N reads, not N squared)
+    assert sorted(e["peers"] is None for e in hangs.values()) == [False, True]
+    assert (tmp_path / "hangs" / "declared").read_text().strip() in ("0", "1")
     found = culprit(read_events(tmp_path / "events.jsonl"))
     assert found["rank"] == 1 and found["step"] == 24 and found["file"] == hangs[1]["file"]
     assert "not inside a collective" in found["evidence"]
@@ -241,6 +244,19 @@ def test_saves_and_allow_blocks_get_their_own_allowance(dog) -> None:
     with wd.allow(30, "evaluation"):
         clock.now += 31
         wd.tick()
+    assert exits == [EXIT_HANG]
+
+
+def test_progress_restarts_the_step_clock(dog) -> None:
+    wd, clock, exits = dog
+    steps(wd, clock, 0, 3, 1)
+    for _ in range(5):  # an evaluation of 5 x 8 s batches: 40 s, each within the 10 s allowance
+        clock.now += 8
+        wd.progress()
+        wd.tick()
+    assert exits == [] and wd.last == (3, clock.now)
+    clock.now += 11
+    wd.tick()
     assert exits == [EXIT_HANG]
 
 

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from types import FrameType
 from typing import Any
 
-__all__ = ["Heartbeat", "culprit", "describe", "frame_facts", "last_incident"]
+__all__ = ["Heartbeat", "culprit", "describe", "frame_facts", "last_incident", "suspicion"]
 
 STALE_BEATS = 3  # a heartbeat older than this many intervals means the process is not running
 
@@ -83,6 +83,12 @@ class Heartbeat:
     def from_json(cls, data: dict[str, Any]) -> Heartbeat:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def suspicion(b: Heartbeat) -> tuple[bool, int, bool, float]:
+    """Sort key, most suspect first: not running, lowest step, outside a collective, earliest."""
+    return (b.running is not False, -1 if b.step is None else b.step, b.waiting is not False,
+            b.last_step_wall or 0.0)
 
 
 def frame_facts(frame: FrameType | None) -> tuple[str | None, bool | None]:

@@ -46,7 +46,7 @@ from typing import Any
 
 from ..errors import EXIT_HANG, ConfigError
 from ..events import EventLog
-from .hangs import Heartbeat, frame_facts
+from .hangs import Heartbeat, frame_facts, suspicion
 
 __all__ = ["DEFAULT_TIMEOUT", "Watchdog", "WatchdogConfig"]
 
@@ -56,6 +56,8 @@ DEFAULT_TIMEOUT = 300.0
 """Seconds without a completed step that count as a hang when nothing else sets it."""
 
 HANGS = "hangs"
+DECLARED = "declared"  # JOBDIR/hangs/declared: created by the first rank of a run to fire
+PEERS_KEPT = 16  # a hang event copies this many of its peers' heartbeats, most suspect first
 HEARTBEATS = "heartbeats"
 _STEP_SAMPLES = 64  # the slowest recent step is the slowest of this many measurements
 _SAVE_SAMPLES = 5
@@ -245,6 +247,9 @@ class Watchdog:
             return self
         self._main = threading.get_ident()  # the training loop's thread: its frame is reported
         self._stop.clear()
+        if self._rank == 0:  # a new run: the next hang is declared afresh
+            with contextlib.suppress(OSError):
+                (self._job / HANGS / DECLARED).unlink()
         self._write_heartbeat(self._clock())
         self._thread = threading.Thread(target=self._run, name=f"ftkit-watchdog-rank{self._rank}", daemon=True)
         self._thread.start()
@@ -288,6 +293,11 @@ class Watchdog:
         finally:
             self._phases.remove(phase)
             self._restart_step(self._clock())
+
+    def progress(self) -> None:
+        """Progress outside a step (an evaluation batch, a chunk of a long upload): the
+        current step is timed from now. Cheap; call it as often as you like."""
+        self._restart_step(self._clock())
 
     def _begin(self, phase: _Phase) -> None:
         self._phases.append(phase)
@@ -397,15 +407,22 @@ class Watchdog:
             me = self._facts(now, last, stalled=True)
             stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self._wall()))
             path = self._job / HANGS / f"hang-rank{self._rank}-{self._host}-{stamp}-{os.getpid()}.txt"
-            native = self._dump(path, me, waited, allowance, why)
-            peers = [p.to_json() for p in self._peers()]
-            log.critical("hang watchdog: rank %d completed no step for %.0f s (allowed %.0f s: %s); "
-                         "last step %s; stacks in %s; exiting with code %d", self._rank, waited,
-                         allowance, why, me.step, path, EXIT_HANG)
-            self._events.emit("hang", step=me.step, seconds=round(waited, 3), file=str(path),
-                              last_step_wall=me.last_step_wall, threshold=round(allowance, 3), why=why,
-                              phase=None if phase is None else phase.what, frame=me.frame,
-                              waiting=me.waiting, native=native, world_size=self._world, peers=peers)
+            spy = shutil.which("py-spy") if self.config.native else None
+            with open(self._dump(path, me, waited, allowance, why), "a") as f:
+                # the event before the slow part (py-spy): the launcher may kill this process
+                # as soon as another rank exits
+                peers = self._peers() if self._first_to_declare() else None
+                self._events.emit("hang", step=me.step, seconds=round(waited, 3), file=str(path),
+                                  last_step_wall=me.last_step_wall, threshold=round(allowance, 3), why=why,
+                                  phase=None if phase is None else phase.what, frame=me.frame,
+                                  waiting=me.waiting, native=spy is not None, world_size=self._world,
+                                  peers=None if peers is None else [p.to_json() for p in peers[:PEERS_KEPT]],
+                                  peers_not_running=None if peers is None else sum(not p.running for p in peers))
+                log.critical("hang watchdog: rank %d completed no step for %.0f s (allowed %.0f s: %s); "
+                             "last step %s; stacks in %s; exiting with code %d", self._rank, waited,
+                             allowance, why, me.step, path, EXIT_HANG)
+                if spy is not None:
+                    self._native(spy, f)
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):  # a closed or broken stream must not stop the exit
                     stream.flush()
@@ -413,8 +430,8 @@ class Watchdog:
             self._exit(EXIT_HANG)
             backstop.cancel()  # reached only when ``exit`` returns (a test's recorder)
 
-    def _dump(self, path: Path, me: Heartbeat, waited: float, allowance: float, why: str) -> bool:
-        """Python stacks of every thread, then native frames when py-spy is there."""
+    def _dump(self, path: Path, me: Heartbeat, waited: float, allowance: float, why: str) -> Path:
+        """Every thread's Python stack, as the hang is declared."""
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
             f.write(f"hang watchdog (ftkit): rank {self._rank} on {self._host} (pid {os.getpid()}) "
@@ -423,25 +440,39 @@ class Watchdog:
                     f"main thread: {me.frame}\n\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
-            f.write("\n")
-            native = False
-            spy = shutil.which("py-spy") if self.config.native else None
-            if spy is not None:
-                f.write(f"--- {spy} dump --native --pid {os.getpid()} ---\n")
-                f.flush()
-                try:
-                    out = subprocess.run([spy, "dump", "--native", "--pid", str(os.getpid())],
-                                         capture_output=True, text=True, timeout=self.config.grace / 2)
-                    f.write(out.stdout + out.stderr)
-                    native = out.returncode == 0
-                except (OSError, subprocess.SubprocessError) as exc:
-                    f.write(f"py-spy failed: {exc}\n")
             f.flush()
             os.fsync(f.fileno())
-        return native
+        return path
+
+    def _native(self, spy: str, f: Any) -> None:
+        """Append native frames (C++ of torch, NCCL, the CUDA driver) from py-spy."""
+        f.write(f"\n--- {spy} dump --native --pid {os.getpid()} ---\n")
+        f.flush()
+        try:
+            out = subprocess.run([spy, "dump", "--native", "--pid", str(os.getpid())],
+                                 capture_output=True, text=True, timeout=self.config.grace / 2)
+            f.write(out.stdout + out.stderr)
+        except (OSError, subprocess.SubprocessError) as exc:
+            f.write(f"py-spy failed: {exc}\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+    def _first_to_declare(self) -> bool:
+        """Whether no other rank of this run declared a hang yet. Only the first reads its
+        peers' heartbeats: N ranks each reading N files would load a shared filesystem."""
+        try:
+            fd = os.open(self._job / HANGS / DECLARED, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        except OSError:
+            return True
+        with contextlib.suppress(OSError):
+            os.write(fd, f"{self._rank}\n".encode())
+        os.close(fd)
+        return True
 
     def _peers(self) -> list[Heartbeat]:
-        """The other ranks' heartbeats of this job, judged for staleness now."""
+        """The other ranks' heartbeats of this job as judged now, most suspect first."""
         now = self._wall()
         peers = []
         for path in sorted((self._job / HEARTBEATS).glob("rank*.json")):
@@ -452,7 +483,7 @@ class Watchdog:
             if beat.rank == self._rank or beat.rank >= self._world or beat.job != self._job_id:
                 continue
             peers.append(beat.seen(now))
-        return peers
+        return sorted(peers, key=suspicion)
 
 
 def _iso(wall: float | None) -> str:
