@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,7 +62,7 @@ def heartbeat_step(jobdir: Path, rank: int) -> int:
 
 
 def test_a_step_that_blocks_forever_is_dumped_logged_and_ended_with_87(tmp_path: Path) -> None:
-    proc = start(tmp_path, "--steps", "40", "--save-every", "5", FTKIT_TEST_HANG_STEP="13")
+    proc = start(tmp_path, "--steps", "40", "--save-every", "5", FTKIT_TEST_HANG_STEP="13")  # after warm-up
     out = finish([proc])[0]
     assert proc.returncode == EXIT_HANG, out
     [hang] = hang_events(tmp_path)
@@ -88,6 +89,17 @@ def test_a_step_that_blocks_forever_is_dumped_logged_and_ended_with_87(tmp_path:
     assert resume[-1]["step"] == 10
     assert json.loads((tmp_path / "result-rank0.json").read_text())["completed"] is True
     assert not (tmp_path / "heartbeats" / "rank0.json").exists()  # a clean close removes it
+
+
+@pytest.mark.skipif(shutil.which("py-spy") is None, reason="py-spy is optional and not on PATH")
+def test_native_frames_when_py_spy_is_on_path(tmp_path: Path) -> None:
+    proc = start(tmp_path, "--steps", "20", FTKIT_TEST_HANG_STEP="6")
+    out = finish([proc])[0]
+    assert proc.returncode == EXIT_HANG, out
+    [hang] = hang_events(tmp_path)
+    stacks = Path(hang["file"]).read_text().split("dump --native", 1)
+    assert hang["native"] is True and len(stacks) == 2
+    assert "_deadlock (hang_train.py" in stacks[1] and "PyThread_acquire_lock" in stacks[1]
 
 
 def test_slow_saves_and_a_slow_first_step_do_not_fire(tmp_path: Path) -> None:
@@ -216,6 +228,19 @@ def test_warmup_then_floor_then_multiple_of_the_slowest_step(dog, tmp_path: Path
     [hang] = hang_events(tmp_path)
     assert hang["step"] == 2 and hang["seconds"] == 10.5 and hang["threshold"] == 10.0 and hang["why"] == "timeout 10 s"
     assert "completed no step for 10.5 s" in Path(hang["file"]).read_text()
+
+
+def test_the_warmup_counts_from_the_loops_first_step_even_when_the_thread_missed_it(dog) -> None:
+    wd, clock, _exits = dog
+    wd.arm(0)
+    for s in range(3):  # fast steps the thread never saw
+        clock.now += 0.01
+        wd.last = (s, clock.now)
+    assert wd.overdue(clock.now, wd.last, None)[2] == "timeout 10 s"
+    wd.arm(7)  # e.g. a second loop: without a hint the first step seen starts the warm-up
+    wd.disarm()
+    wd.last = (9, clock.now)
+    assert wd.overdue(clock.now, wd.last, None)[2] == "warm-up step 1 of 2"
 
 
 def test_a_slower_step_raises_the_allowance(dog) -> None:

@@ -335,6 +335,7 @@ class FaultTolerance:
     def _range(self, total: int, start: int | None) -> Iterator[int]:
         self.start()
         first = self.resume() if start is None else start
+        self.watchdog.arm(first)
         # One check before the first step: a kill-switch present at start, or a signal that
         # came during start-up, ends the run before it trains anything.
         decision = self.check(first)

@@ -169,6 +169,7 @@ class Watchdog:
         "_events",
         "_exit",
         "_first",
+        "_first_hint",
         "_host",
         "_job",
         "_job_id",
@@ -220,7 +221,8 @@ class Watchdog:
         self._stop = threading.Event()
         self._phases: list[_Phase] = []
         self._epoch = 0  # changes when a phase begins or the watchdog is disarmed
-        self._first: int | None = None  # the first step seen since (re)arming
+        self._first: int | None = None  # the first step of the loop, once the thread saw a beat
+        self._first_hint: int | None = None  # the first step, when the loop said (arm)
         self._ref: tuple[int, float, int] | None = None  # (step, time, epoch) of the last sample
         self._steps: collections.deque[float] = collections.deque(maxlen=_STEP_SAMPLES)
         self._saves: collections.deque[float] = collections.deque(maxlen=_SAVE_SAMPLES)
@@ -269,9 +271,15 @@ class Watchdog:
         with contextlib.suppress(OSError):
             self.heartbeat_path.unlink()
 
+    def arm(self, first_step: int) -> None:
+        """The loop starts at ``first_step``: the warm-up counts from there. Without this call
+        it counts from the first step boundary the thread sees (a fast step may be missed)."""
+        self._first, self._first_hint = None, first_step
+
     def disarm(self) -> None:
         """Not between steps any more (the loop ended): only save phases are watched."""
         self.last = None
+        self._first_hint = None
         self._epoch += 1
 
     def begin_save(self, what: str = "checkpoint save") -> None:
@@ -346,7 +354,8 @@ class Watchdog:
         if last is None or self.timeout is None:
             return None
         step, at = last
-        first = step if self._first is None else self._first
+        first = self._first if self._first is not None else self._first_hint
+        first = step if first is None or first > step else first
         cfg = self.config
         if step - first < cfg.warmup_steps:
             return (now - at, max(cfg.warmup_timeout, self.timeout),
@@ -363,7 +372,8 @@ class Watchdog:
             self._ref, self._first = None, None
             return
         if self._first is None:
-            self._first = last[0]
+            hint = self._first_hint
+            self._first = hint if hint is not None and hint <= last[0] else last[0]
         ref, epoch, warmup = self._ref, self._epoch, self.config.warmup_steps
         if ref is not None and ref[2] == epoch and last[0] > ref[0] and ref[0] - self._first >= warmup:
             self._steps.append((last[1] - ref[1]) / (last[0] - ref[0]))
@@ -445,13 +455,27 @@ class Watchdog:
         return path
 
     def _native(self, spy: str, f: Any) -> None:
-        """Append native frames (C++ of torch, NCCL, the CUDA driver) from py-spy."""
-        f.write(f"\n--- {spy} dump --native --pid {os.getpid()} ---\n")
+        """Append native frames (C++ of torch, NCCL, the CUDA driver) from py-spy.
+
+        py-spy stops this process's threads with ptrace while it unwinds them; if it is killed
+        (too slow: symbolising libtorch takes seconds), a pending stop could leave the whole
+        process stopped for good. So a shell runs it under ``timeout`` and then sends SIGCONT.
+        """
+        pid, limit = os.getpid(), max(self.config.grace / 2, 1.0)
+        f.write(f"\n--- {spy} dump --native --pid {pid} ---\n")
         f.flush()
+        timeout = shutil.which("timeout")
+        if timeout is None:
+            f.write("skipped: no `timeout` command to bound py-spy with\n")
+            return
+        _allow_ptrace()
+        script = '"$1" -s KILL "$2" "$3" dump --native --pid "$4"; s=$?; kill -CONT "$4"; exit $s'
         try:
-            out = subprocess.run([spy, "dump", "--native", "--pid", str(os.getpid())],
-                                 capture_output=True, text=True, timeout=self.config.grace / 2)
-            f.write(out.stdout + out.stderr)
+            out = subprocess.run(["sh", "-c", script, "sh", timeout, f"{limit:.0f}", spy, str(pid)],
+                                 capture_output=True, timeout=limit + 10)
+            f.write(out.stdout.decode(errors="replace") + out.stderr.decode(errors="replace"))
+            if out.returncode:
+                f.write(f"py-spy ended with code {out.returncode}\n")
         except (OSError, subprocess.SubprocessError) as exc:
             f.write(f"py-spy failed: {exc}\n")
         f.flush()
@@ -484,6 +508,18 @@ class Watchdog:
                 continue
             peers.append(beat.seen(now))
         return sorted(peers, key=suspicion)
+
+
+def _allow_ptrace() -> None:
+    """Let py-spy, our child, attach: Yama (``kernel.yama.ptrace_scope=1``, common on clusters)
+    only lets a process trace its descendants, not its parent, unless the parent allows it."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_ptracer, pr_set_ptracer_any = 0x59616D61, ctypes.c_ulong(-1)
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_ptracer, pr_set_ptracer_any, 0, 0, 0)
 
 
 def _iso(wall: float | None) -> str:
