@@ -79,8 +79,9 @@ class WatchdogConfig:
     """A step may take this many times the slowest recent step before it is a hang."""
 
     warmup_steps: int = 3
-    """The first this many steps the watchdog sees (after start or resume) get ``warmup_timeout``
-    instead: they compile, fill caches and start data loader workers."""
+    """The first this many steps of ``range()`` (after start or resume) get ``warmup_timeout``
+    instead: they compile, fill caches and start data loader workers. (A loop of your own that
+    calls ``check``/``step``: from the first step boundary the watchdog sees.)"""
 
     warmup_timeout: float = 1800.0
     """Seconds allowed for each warm-up step (at least ``timeout``)."""
@@ -262,12 +263,12 @@ class Watchdog:
     def stop(self) -> None:
         """Stop the thread and remove this rank's heartbeat (a clean end leaves none)."""
         thread, self._thread = self._thread, None
+        self._phases.clear()
+        self.disarm()
         if thread is None:
             return
         self._stop.set()
         thread.join()
-        self._phases.clear()
-        self.disarm()
         with contextlib.suppress(OSError):
             self.heartbeat_path.unlink()
 
