@@ -20,21 +20,20 @@ Each rank's watchdog also publishes a small heartbeat file, ``JOBDIR/heartbeats/
 from its thread (never from the hot path): last step, its wall time and, while the step is
 overdue, the main thread's frame. A rank that declares a hang copies its peers' heartbeats
 into its event, so :mod:`ftkit.control.hangs` can name the rank that stopped first even when
-that rank (SIGSTOPped, killed, its node lost) could not write anything itself.
+that rank (SIGSTOPped, killed, its node lost) could not write anything itself. The files
+are written by :mod:`ftkit.control._hang_files`.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import faulthandler
 import json
 import logging
 import math
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -46,7 +45,8 @@ from typing import Any
 
 from ..errors import EXIT_HANG, ConfigError
 from ..events import EventLog
-from .hangs import Heartbeat, frame_facts, suspicion
+from ._hang_files import append_native, claim_first, iso, read_peers, write_stacks
+from .hangs import Heartbeat, frame_facts
 
 __all__ = ["DEFAULT_TIMEOUT", "Watchdog", "WatchdogConfig"]
 
@@ -268,7 +268,9 @@ class Watchdog:
         if thread is None:
             return
         self._stop.set()
-        thread.join()
+        thread.join(timeout=10 + 2 * self._poll)
+        if thread.is_alive():  # blocked writing a heartbeat to a hung filesystem: a daemon, let it be
+            log.warning("hang watchdog: its thread did not stop within 10 s (job dir %s not answering?)", self._job)
         with contextlib.suppress(OSError):
             self.heartbeat_path.unlink()
 
@@ -419,10 +421,17 @@ class Watchdog:
             stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self._wall()))
             path = self._job / HANGS / f"hang-rank{self._rank}-{self._host}-{stamp}-{os.getpid()}.txt"
             spy = shutil.which("py-spy") if self.config.native else None
-            with open(self._dump(path, me, waited, allowance, why), "a") as f:
+            header = (f"hang watchdog (ftkit): rank {self._rank} on {self._host} (pid {os.getpid()}) "
+                      f"completed no step for {waited:.1f} s (allowed {allowance:.1f} s: {why})\n"
+                      f"last completed step: {me.step} at {iso(me.last_step_wall)}\n"
+                      f"main thread: {me.frame}\n\n")
+            with open(write_stacks(path, header), "a") as f:
                 # the event before the slow part (py-spy): the launcher may kill this process
                 # as soon as another rank exits
-                peers = self._peers() if self._first_to_declare() else None
+                peers = None
+                if claim_first(self._job / HANGS / DECLARED, self._rank):
+                    peers = read_peers(self._job / HEARTBEATS, rank=self._rank, world_size=self._world,
+                                       job=self._job_id, now=self._wall())
                 self._events.emit("hang", step=me.step, seconds=round(waited, 3), file=str(path),
                                   last_step_wall=me.last_step_wall, threshold=round(allowance, 3), why=why,
                                   phase=None if phase is None else phase.what, frame=me.frame,
@@ -433,97 +442,10 @@ class Watchdog:
                              "last step %s; stacks in %s; exiting with code %d", self._rank, waited,
                              allowance, why, me.step, path, EXIT_HANG)
                 if spy is not None:
-                    self._native(spy, f)
+                    append_native(f, spy, limit=max(self.config.grace / 2, 1.0))
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):  # a closed or broken stream must not stop the exit
                     stream.flush()
         finally:
             self._exit(EXIT_HANG)
             backstop.cancel()  # reached only when ``exit`` returns (a test's recorder)
-
-    def _dump(self, path: Path, me: Heartbeat, waited: float, allowance: float, why: str) -> Path:
-        """Every thread's Python stack, as the hang is declared."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as f:
-            f.write(f"hang watchdog (ftkit): rank {self._rank} on {self._host} (pid {os.getpid()}) "
-                    f"completed no step for {waited:.1f} s (allowed {allowance:.1f} s: {why})\n"
-                    f"last completed step: {me.step} at {_iso(me.last_step_wall)}\n"
-                    f"main thread: {me.frame}\n\n")
-            f.flush()
-            faulthandler.dump_traceback(file=f, all_threads=True)
-            f.flush()
-            os.fsync(f.fileno())
-        return path
-
-    def _native(self, spy: str, f: Any) -> None:
-        """Append native frames (C++ of torch, NCCL, the CUDA driver) from py-spy.
-
-        py-spy stops this process's threads with ptrace while it unwinds them; if it is killed
-        (too slow: symbolising libtorch takes seconds), a pending stop could leave the whole
-        process stopped for good. So a shell runs it under ``timeout`` and then sends SIGCONT.
-        """
-        pid, limit = os.getpid(), max(self.config.grace / 2, 1.0)
-        f.write(f"\n--- {spy} dump --native --pid {pid} ---\n")
-        f.flush()
-        timeout = shutil.which("timeout")
-        if timeout is None:
-            f.write("skipped: no `timeout` command to bound py-spy with\n")
-            return
-        _allow_ptrace()
-        script = '"$1" -s KILL "$2" "$3" dump --native --pid "$4"; s=$?; kill -CONT "$4"; exit $s'
-        try:
-            out = subprocess.run(["sh", "-c", script, "sh", timeout, f"{limit:.0f}", spy, str(pid)],
-                                 capture_output=True, timeout=limit + 10)
-            f.write(out.stdout.decode(errors="replace") + out.stderr.decode(errors="replace"))
-            if out.returncode:
-                f.write(f"py-spy ended with code {out.returncode}\n")
-        except (OSError, subprocess.SubprocessError) as exc:
-            f.write(f"py-spy failed: {exc}\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-    def _first_to_declare(self) -> bool:
-        """Whether no other rank of this run declared a hang yet. Only the first reads its
-        peers' heartbeats: N ranks each reading N files would load a shared filesystem."""
-        try:
-            fd = os.open(self._job / HANGS / DECLARED, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
-        except OSError:
-            return True
-        with contextlib.suppress(OSError):
-            os.write(fd, f"{self._rank}\n".encode())
-        os.close(fd)
-        return True
-
-    def _peers(self) -> list[Heartbeat]:
-        """The other ranks' heartbeats of this job as judged now, most suspect first."""
-        now = self._wall()
-        peers = []
-        for path in sorted((self._job / HEARTBEATS).glob("rank*.json")):
-            try:
-                beat = Heartbeat.from_json(json.loads(path.read_text()))
-            except (OSError, ValueError, TypeError, KeyError):
-                continue
-            if beat.rank == self._rank or beat.rank >= self._world or beat.job != self._job_id:
-                continue
-            peers.append(beat.seen(now))
-        return sorted(peers, key=suspicion)
-
-
-def _allow_ptrace() -> None:
-    """Let py-spy, our child, attach: Yama (``kernel.yama.ptrace_scope=1``, common on clusters)
-    only lets a process trace its descendants, not its parent, unless the parent allows it."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_ptracer, pr_set_ptracer_any = 0x59616D61, ctypes.c_ulong(-1)
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_ptracer, pr_set_ptracer_any, 0, 0, 0)
-
-
-def _iso(wall: float | None) -> str:
-    if wall is None:
-        return "none"
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(wall)) + f".{int(wall % 1 * 1000):03d}Z"
