@@ -35,6 +35,7 @@ __all__ = [
     "SignalConfig",
     "SlurmError",
     "WatchConfig",
+    "WatchdogConfig",
     "__version__",
 ]
 
@@ -47,6 +48,7 @@ _LAZY = {
     "SignalConfig": "ftkit.triggers.signals",
     "WatchConfig": "ftkit.triggers.files",
     "BudgetConfig": "ftkit.triggers.budget",
+    "WatchdogConfig": "ftkit.control.watchdog",
     "CheckpointConfig": "ftkit.checkpoint",
     "AsyncConfig": "ftkit.checkpoint",
     "ResumableSampler": "ftkit.checkpoint",
@@ -63,6 +65,7 @@ if TYPE_CHECKING:
     from .checkpoint import AsyncConfig, CheckpointConfig, ResumableSampler
     from .control.agreement import AgreementConfig
     from .control.controller import Config, FaultTolerance
+    from .control.watchdog import WatchdogConfig
     from .decision import Action, Decision
     from .errors import (
         CheckpointError,

@@ -80,6 +80,7 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
     """Everything ``ftkit status`` shows, as plain data (also its ``--json`` output)."""
     from ..checkpoint import validate_dir
     from ..checkpoint._layout import list_step_dirs
+    from ..control.hangs import culprit
     from ..events import read_events
     from ..jobdir import JobDir
     from ..lease import lease_status
@@ -125,6 +126,7 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
         "running": running,
         "slurm": slurm,
         "lease": lease_status(job.root, now=now),
+        "hang": culprit(log),
         "save_switch": job.save_switch.is_file(),
         "kill_switch": job.kill_switch.is_file(),
         "requests": requests,
@@ -179,6 +181,10 @@ def _status(args: argparse.Namespace) -> int:
     else:
         console.print("pending: " + (pending[0] if pending else "nothing"))
     console.print(f"[bold]{status['verdict']}[/]")
+    if status["hang"]:
+        from ..control.hangs import describe
+
+        console.print(f"[bold red]{escape(describe(status['hang']))}[/]", highlight=False)
     if status["checkpoints"]:
         table = Table("step", "age", "size", "status", "pinned", "why", title="checkpoints")
         for c in status["checkpoints"]:

@@ -18,6 +18,7 @@ from ..triggers.budget import BudgetConfig, TimeBudget
 from ..triggers.files import SwitchWatcher, WatchConfig
 from ..triggers.signals import SignalConfig, SignalTrigger
 from .agreement import AgreementConfig, Collective, decode_flags, encode
+from .watchdog import Watchdog, WatchdogConfig
 
 __all__ = ["Config", "FaultTolerance"]
 
@@ -45,6 +46,9 @@ class Config:
     async_save: Any = None
     """A ``ftkit.checkpoint.AsyncConfig`` to save in the background (the loop stalls only for
     the in-memory snapshot); None: synchronous saves."""
+
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """The hang watchdog: a rank that completes no step in time dumps its stacks and exits 87."""
 
     save_every: int | None = None
     """Also save every this many steps (periodic checkpoints); None: only on request."""
@@ -99,6 +103,8 @@ class FaultTolerance:
         self._signals = SignalTrigger(self.config.signals, self.box, clock=clock)
         self._watcher = SwitchWatcher(self.job, self.box, self.config.watch)
         self.budget = TimeBudget(self.config.budget, clock=wallclock)
+        self.watchdog = Watchdog(self.config.watchdog, job_root=self.job.root, events=self.events, rank=self.rank,
+                                 world_size=self.world_size, clock=clock, wallclock=wallclock)
         self._collective: Collective | None = None
         self._every = self.config.agreement.every
         self._pending: list[Request] = []
@@ -154,6 +160,7 @@ class FaultTolerance:
                 "time budget: only %.0f s left at start, less than save %.0f s + margin %.0f s; the "
                 "job will stop after its first step. Ask for more time or lower budget.margin / "
                 "budget.save_estimate", left, self.budget.save_estimate, self.budget.config.margin)
+        self.watchdog.start()
         self.events.emit(
             "start",
             world_size=self.world_size,
@@ -171,6 +178,7 @@ class FaultTolerance:
         if not self._started:
             return
         self._started = False
+        self.watchdog.begin_save("close(): waiting for checkpoints")
         try:
             if self._checkpoints is not None:
                 try:
@@ -183,6 +191,7 @@ class FaultTolerance:
                     self._checkpoints = None
                     self._background = False
         finally:
+            self.watchdog.stop()
             self._watcher.close()
             self._signals.close()
             if self.box.pending:
@@ -241,6 +250,7 @@ class FaultTolerance:
         if self._last_check is not None:
             self.budget.record_step(now - self._last_check)
         self._last_check = now
+        self.watchdog.last = (step, now)  # the watchdog's whole hot-path cost
         if self._final is not None:
             if self.box.pending:  # log what arrives after the exit was decided; it changes nothing
                 self._take(self.box.drain(), step)
@@ -335,8 +345,15 @@ class FaultTolerance:
 
         Stops early when an exit is decided; ``completed`` is True only if ``total`` was reached.
         """
+        try:
+            yield from self._range(total, start)
+        finally:
+            self.watchdog.disarm()  # what runs after the loop is not a step
+
+    def _range(self, total: int, start: int | None) -> Iterator[int]:
         self.start()
         first = self.resume() if start is None else start
+        self.watchdog.arm(first)
         # One check before the first step: a kill-switch present at start, or a signal that
         # came during start-up, ends the run before it trains anything.
         decision = self.check(first)
@@ -403,11 +420,13 @@ class FaultTolerance:
         why = reason or ("; ".join(decision.reasons) if decision else f"periodic (every {self.config.save_every} steps)")
         pin = bool(decision and decision.pin)
         began = self._clock()
+        self.watchdog.begin_save()
         try:
             info = self.checkpoints.save(step, self._require_state(), pin=pin, reason=why)
             if self._background and decision is not None and decision.exit:
                 self.checkpoints.wait()  # leave only once the checkpoint is durable
         except CheckpointError as exc:
+            self.watchdog.end_save()
             self.events.emit("save-failed", step=step, reason=why, error=str(exc))
             if decision is not None and decision.exit:
                 raise
@@ -447,6 +466,7 @@ class FaultTolerance:
         ended = self._clock()
         self._last_save_end = ended
         self._last_check = ended  # a save is not part of the next step's time
+        self.watchdog.end_save(ended)
         self._last_saved_step = step
         self.budget.record_save(seconds)
         if decision is None:
