@@ -247,3 +247,18 @@ def test_checkpoint_config_without_a_root_saves_under_the_job_dir(tmp_path: Path
     assert list(elsewhere.iterdir()) == []
     absolute = tmp_path / "abs"
     assert ftkit.CheckpointConfig(root=absolute).under(jobdir).root == absolute
+
+
+def test_a_relative_root_that_only_has_checkpoints_relative_to_the_cwd_is_an_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before roots were taken under the job dir, ``root="runs/x/checkpoints"`` meant the current
+    directory's; such a job must not silently start fresh in ``JOBDIR/runs/x/checkpoints``."""
+    monkeypatch.chdir(tmp_path)
+    old = tmp_path / "runs" / "x" / "checkpoints"
+    (old / "step-00000007").mkdir(parents=True)
+    config = ftkit.CheckpointConfig(root="runs/x/checkpoints")
+    with pytest.raises(ftkit.ConfigError, match=r"relative.*runs/x/checkpoints.*does\. Pass root="):
+        config.under(tmp_path / "runs" / "x")
+    # once the job dir's own root has checkpoints, it is the one used
+    (tmp_path / "runs" / "x" / "runs" / "x" / "checkpoints" / "step-00000001").mkdir(parents=True)
+    assert config.under(tmp_path / "runs" / "x").root == tmp_path / "runs/x/runs/x/checkpoints"

@@ -112,7 +112,23 @@ class CheckpointConfig:
         """This config with a relative ``root`` taken under ``jobdir`` (an absolute one stays)."""
         if self.root.is_absolute():
             return self
-        return dataclasses.replace(self, root=Path(jobdir).expanduser().absolute() / self.root)
+        root = Path(jobdir).expanduser().absolute() / self.root
+        here = self.root.absolute()  # where the same text pointed before roots were taken under the job dir
+        if here != root and not _has_steps(root) and _has_steps(here):
+            raise ConfigError(
+                f"checkpoint.root: {str(self.root)!r} is relative, so it is taken under the job dir "
+                f"({root}), which holds no checkpoints, while {here} (relative to the current "
+                f"directory) does. Pass root={str(here)!r} to resume from those, or an absolute path"
+            )
+        return dataclasses.replace(self, root=root)
+
+
+def _has_steps(root: Path) -> bool:
+    """Whether ``root`` holds a ``step-N`` checkpoint directory (one listing, no validation)."""
+    try:
+        return any(p.name.startswith("step-") for p in root.iterdir())
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
