@@ -17,6 +17,9 @@ Fixtures
     (``n1``, ``n2``, ...: several ``slurmd -N nX`` on this host). If the cluster has
     fewer and we are root, runs ``scripts/slurm-cluster up --nodes 3`` (CI starts it
     that way already). Fails under ``FTKIT_REQUIRE_SLURM=1``, else skips.
+``reference_sha`` (session)
+    ``reference_sha(WORLD)``: SHA-256 of the final parameters of an uninterrupted
+    ``ftkit demo`` run with WORLD ranks (no SLURM), computed once per session.
 ``node_killer`` (function)
     ``node_killer(NODE)`` emulates the death of a node (``scripts/slurm-cluster
     kill-node``); every node it killed is started again when the test ends.
@@ -90,6 +93,7 @@ __all__ = [
     "kill_node",
     "node_killer",
     "node_state",
+    "reference_sha",
     "requeue",
     "signal_job",
     "slurm_cluster",
@@ -532,11 +536,33 @@ def slurm_multinode(slurm_cluster: SlurmCluster) -> SlurmCluster:
 def node_killer(slurm_multinode: SlurmCluster):
     """``node_killer(NODE)`` kills an emulated node; the test's killed nodes come back afterwards."""
     killed: list[str] = []
+    pids: list[str] = []
 
     def kill(node: str) -> str:
         killed.append(node)
-        return kill_node(node)
+        out = kill_node(node)
+        pids.extend(re.findall(r"\b\d+\b", " ".join(re.findall(r"processes of \S+: ([\d ]+)", out))))
+        return out
 
     yield kill
     for node in killed:
         start_node(node)
+    # crash-safe snapshots of the killed trainers stay in /dev/shm (nothing lived to unlink them)
+    for pid in pids:
+        for leftover in Path("/dev/shm").glob(f"ftkit-*-{pid}-*"):
+            leftover.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def reference_sha(tmp_path_factory):
+    """``reference_sha(world)``: the demo's final parameters without interruption (once per world)."""
+    from tests.test_slurm_e2e import reference
+
+    cache: dict[int, str] = {}
+
+    def get(world: int) -> str:
+        if world not in cache:
+            cache[world] = reference(tmp_path_factory, world)
+        return cache[world]
+
+    return get
