@@ -90,7 +90,7 @@ echo "low restart=${{SLURM_RESTART_COUNT:-0}}"
 
     # all CPUs of the low job's node (on a multi-node cluster the others are free)
     high = slurm_jobs.submit(
-        "echo high ran", "-p", "high", "-n", str(slurm_cluster.cpus), "-w", info["NodeList"],
+        "echo high ran", "-p", "high", "-N", "1", "-n", str(slurm_cluster.cpus), "-w", info["NodeList"],
         "-o", "high-%j.txt"
     )
     slurm_jobs.wait_file_contains(low_out, "got USR1", timeout=20)

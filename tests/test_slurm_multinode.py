@@ -129,9 +129,11 @@ CRASH_SAFE = Path(__file__).parent / "programs" / "crash_safe_demo.py"
 @pytest.mark.parametrize("saver", ["sync", "crash-safe"])
 def test_node_death_requeues_and_resumes_from_the_newest_valid_checkpoint(
         slurm_multinode, slurm_jobs, tmp_path, reference2, node_killer, saver) -> None:
-    """Kill the node of rank 1 (not the batch host) mid-training. With the crash-safe saver,
-    rank 0's saver on the surviving node persists rank 0's newest snapshot when its trainer
-    dies: a step directory with one rank's part, which must never count as a checkpoint."""
+    """Kill the node that is not the batch host mid-training: SLURM requeues the job, the next
+    run gets other nodes and resumes from the newest valid checkpoint; whatever the first run
+    left beyond it (a step directory with one rank's part) is marked incomplete and not loaded.
+    With the crash-safe saver each emulated node has its own saver (SLURMD_NODENAME): the
+    dead node's dies with it, the survivor's trainer ends on gloo's error."""
     cmd = command("torchrun", save_every=40, step_time=0.03)
     if saver == "crash-safe":
         cmd = cmd.replace("-m ftkit demo", str(CRASH_SAFE))
@@ -150,8 +152,6 @@ def test_node_death_requeues_and_resumes_from_the_newest_valid_checkpoint(
     # whatever the first run left beyond the newest valid checkpoint is marked incomplete
     partial = [c for c in before if c["step"] > max(valid_before)]
     assert all(not c["valid"] for c in partial), partial
-    if saver == "crash-safe":  # the survivor's saver rescued its own part of a newer step
-        assert partial, before
     slurm_jobs.start_now(job)
     info = slurm_jobs.wait_state(job, {"COMPLETED"}, timeout=180)
     assert victim not in nodes_of(info) and len(nodes_of(info)) == 2, info
