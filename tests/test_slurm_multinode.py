@@ -62,7 +62,8 @@ def requeued_then_started(slurm_jobs, job: int, timeout: float = 120) -> None:
     """Wait until SLURM put the job back in the queue (Restarts >= 1); if it waits for its
     BeginTime (~2 min after a requeue), make it eligible now. After a preemption SLURM may
     start it again at once, before we see it PENDING."""
-    info = slurm_jobs.wait_state(job, {"PENDING", "RUNNING", "COMPLETING", "COMPLETED"}, timeout=timeout,
+    # not COMPLETING: right after the requeue the job is COMPLETING with Restarts already 1
+    info = slurm_jobs.wait_state(job, {"PENDING", "RUNNING", "COMPLETED"}, timeout=timeout,
                                  where=lambda i: int(i.get("Restarts", "0")) >= 1)
     if info["JobState"] == "PENDING":
         try:
