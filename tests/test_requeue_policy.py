@@ -221,7 +221,8 @@ def test_scancel_of_a_crashed_run_keeps_its_exit_code(jobdir, env) -> None:
 
 
 @pytest.mark.parametrize("line", [TIMELIMIT, REQUEUED, job_line("COMPLETING", preempt="2026-11-22T16:50:36"),
-                                  job_line("COMPLETING", reason="NodeDown")])
+                                  job_line("COMPLETING", reason="NodeDown")],
+                         ids=["time-limit", "requeued", "preempted", "node-down"])
 def test_completing_for_another_reason_is_not_a_cancel(jobdir, env, line) -> None:
     two_rank_run(jobdir, exit={"requeue": True, "reasons": ["USR1 received"]})
     d = run_decide(jobdir, env, FakeScontrol(line), rc=1, step=10)
