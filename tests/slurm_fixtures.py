@@ -1,4 +1,4 @@
-"""Pytest plugin: the local one-node SLURM cluster (``scripts/slurm-cluster``).
+"""Pytest plugin: the local SLURM cluster (``scripts/slurm-cluster``), one or more emulated nodes.
 
 Load it with ``pytest_plugins = ["tests.slurm_fixtures"]`` (tests/conftest.py).
 
@@ -12,6 +12,17 @@ Fixtures
 ``slurm_jobs`` (function)
     A :class:`SlurmJobs` bound to the test: jobs it submits run in ``tmp_path`` by
     default and are cancelled when the test ends.
+``slurm_multinode`` (session)
+    Like ``slurm_cluster``, with at least :data:`MULTINODE_NODES` usable nodes
+    (``n1``, ``n2``, ...: several ``slurmd -N nX`` on this host). If the cluster has
+    fewer and we are root, runs ``scripts/slurm-cluster up --nodes 3`` (CI starts it
+    that way already). Fails under ``FTKIT_REQUIRE_SLURM=1``, else skips.
+``reference_sha`` (session)
+    ``reference_sha(WORLD)``: SHA-256 of the final parameters of an uninterrupted
+    ``ftkit demo`` run with WORLD ranks (no SLURM), computed once per session.
+``node_killer`` (function)
+    ``node_killer(NODE)`` emulates the death of a node (``scripts/slurm-cluster
+    kill-node``); every node it killed is started again when the test ends.
 
 Tests that use either fixture get the ``slurm`` marker automatically; mark them
 ``@pytest.mark.slurm`` anyway for readability.
@@ -50,9 +61,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_SCRIPT = REPO_ROOT / "scripts" / "slurm-cluster"
 LOG_FILES = (
     Path("/var/log/slurm/slurmctld.log"),
-    Path("/var/log/slurm/slurmd.log"),
+    Path("/var/log/slurm/slurmd-n1.log"),
+    Path("/var/log/slurm/slurmd-n2.log"),
+    Path("/var/log/slurm/slurmd-n3.log"),
     Path("/var/log/munge/munged.log"),
 )
+MULTINODE_NODES = 3
 REQUIRE_ENV = "FTKIT_REQUIRE_SLURM"
 USABLE_NODE_STATES = {"idle", "mixed", "allocated", "completing"}
 TERMINAL_STATES = {
@@ -73,12 +87,19 @@ __all__ = [
     "SlurmJobs",
     "cancel",
     "cluster_problem",
+    "hostnames",
     "job_info",
     "job_state",
+    "kill_node",
+    "node_killer",
+    "node_state",
+    "reference_sha",
     "requeue",
     "signal_job",
     "slurm_cluster",
     "slurm_jobs",
+    "slurm_multinode",
+    "start_node",
     "start_now",
     "submit",
     "wait_file_contains",
@@ -276,6 +297,34 @@ def wait_file_contains(
         time.sleep(interval)
 
 
+def hostnames(nodelist: str) -> list[str]:
+    """``scontrol show hostnames NODELIST``: ``n[1-2]`` -> ``["n1", "n2"]``."""
+    return _run(["scontrol", "show", "hostnames", nodelist]).stdout.split()
+
+
+def node_state(node: str) -> str:
+    """``sinfo``'s state of one node, e.g. ``idle``, ``allocated``, ``down*``."""
+    return _run(["sinfo", "-h", "-N", "-n", node, "-o", "%T"]).stdout.split("\n")[0].strip()
+
+
+def _cluster_script(*args: str, timeout: float = 120) -> str:
+    proc = _run(["bash", str(CLUSTER_SCRIPT), *args], check=False, timeout=timeout)
+    if proc.returncode != 0:
+        raise SlurmError(f"scripts/slurm-cluster {' '.join(args)} failed (rc={proc.returncode}):\n"
+                         f"{proc.stdout}{proc.stderr}")
+    return proc.stdout
+
+
+def kill_node(node: str) -> str:
+    """Emulate the death of ``node``: its slurmd, slurmstepds and their processes get SIGKILL."""
+    return _cluster_script("kill-node", node)
+
+
+def start_node(node: str) -> str:
+    """Start ``node``'s slurmd again and wait until SLURM has it back (idle)."""
+    return _cluster_script("start-node", node)
+
+
 # --------------------------------------------------------------------------- cluster
 
 
@@ -336,14 +385,21 @@ class SlurmCluster:
     wait_file_contains = staticmethod(wait_file_contains)
 
     def __init__(self) -> None:
-        line = _run(["sinfo", "-h", "-N", "-o", "%N %c %m"]).stdout.split("\n")[0].split()
+        lines = [ln.split() for ln in _run(["sinfo", "-h", "-N", "-o", "%N %c %m"]).stdout.split("\n") if ln.strip()]
+        line = lines[0]
+        self.nodes: list[str] = sorted({ln[0] for ln in lines}, key=lambda n: (len(n), n))
+        """Every node (n1, n2, ...); the single-node tests use the first."""
         self.node: str = line[0]
         self.cpus: int = int(line[1])
         self.memory_mb: int = int(line[2].rstrip("+"))
         self.partitions: list[str] = sorted(set(_run(["sinfo", "-h", "-o", "%R"]).stdout.split()))
 
     def __repr__(self) -> str:
-        return f"SlurmCluster(node={self.node!r}, cpus={self.cpus}, partitions={self.partitions})"
+        return f"SlurmCluster(nodes={self.nodes!r}, cpus={self.cpus}, partitions={self.partitions})"
+
+    def usable_nodes(self) -> list[str]:
+        out = _run(["sinfo", "-h", "-N", "-o", "%N %T"]).stdout.split("\n")
+        return sorted({ln.split()[0] for ln in out if ln.strip() and ln.split()[1] in USABLE_NODE_STATES})
 
 
 class SlurmJobs:
@@ -406,7 +462,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         names = getattr(item, "fixturenames", ())
-        if ("slurm_cluster" in names or "slurm_jobs" in names) and item.get_closest_marker(
+        if ({"slurm_cluster", "slurm_jobs", "slurm_multinode"} & set(names)) and item.get_closest_marker(
             "slurm"
         ) is None:
             item.add_marker(pytest.mark.slurm)
@@ -451,3 +507,62 @@ def slurm_jobs(slurm_cluster: SlurmCluster, tmp_path: Path):
     jobs = SlurmJobs(slurm_cluster, tmp_path)
     yield jobs
     jobs.cancel_all()
+
+
+@pytest.fixture(scope="session")
+def slurm_multinode(slurm_cluster: SlurmCluster) -> SlurmCluster:
+    """The cluster with at least MULTINODE_NODES usable nodes (started that way if we may)."""
+    if len(slurm_cluster.usable_nodes()) >= MULTINODE_NODES:
+        return slurm_cluster
+    required = os.environ.get(REQUIRE_ENV) == "1"
+    detail = "(not root: did not try scripts/slurm-cluster up --nodes 3)"
+    if os.geteuid() == 0 and CLUSTER_SCRIPT.exists():
+        try:
+            detail = _cluster_script("up", "--nodes", str(MULTINODE_NODES), timeout=300)
+        except SlurmError as e:
+            detail = str(e)
+        _wait_usable(30.0)
+    cluster = SlurmCluster()
+    usable = cluster.usable_nodes()
+    if len(usable) < MULTINODE_NODES:
+        msg = f"multi-node SLURM cluster unavailable: usable nodes {usable}, need {MULTINODE_NODES}"
+        if required:
+            pytest.fail(f"{msg}\n{detail[-3000:]}\n{_log_tail()}", pytrace=False)
+        pytest.skip(f"{msg} (run scripts/slurm-cluster up --nodes {MULTINODE_NODES} as root)")
+    return cluster
+
+
+@pytest.fixture
+def node_killer(slurm_multinode: SlurmCluster):
+    """``node_killer(NODE)`` kills an emulated node; the test's killed nodes come back afterwards."""
+    killed: list[str] = []
+    pids: list[str] = []
+
+    def kill(node: str) -> str:
+        killed.append(node)
+        out = kill_node(node)
+        pids.extend(re.findall(r"\b\d+\b", " ".join(re.findall(r"processes of \S+: ([\d ]+)", out))))
+        return out
+
+    yield kill
+    for node in killed:
+        start_node(node)
+    # crash-safe snapshots of the killed trainers stay in /dev/shm (nothing lived to unlink them)
+    for pid in pids:
+        for leftover in Path("/dev/shm").glob(f"ftkit-*-{pid}-*"):
+            leftover.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def reference_sha(tmp_path_factory):
+    """``reference_sha(world)``: the demo's final parameters without interruption (once per world)."""
+    from tests.test_slurm_e2e import reference
+
+    cache: dict[int, str] = {}
+
+    def get(world: int) -> str:
+        if world not in cache:
+            cache[world] = reference(tmp_path_factory, world)
+        return cache[world]
+
+    return get

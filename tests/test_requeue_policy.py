@@ -187,7 +187,173 @@ def test_stopped_for_good_is_never_requeued(jobdir, env, how) -> None:
 def test_cancelled_job_is_not_requeued(jobdir, env) -> None:
     trainer_run(jobdir, exit={"reasons": ["TERM received"]})
     d = run_decide(jobdir, env, FakeScontrol(job_line("CANCELLED")), rc=0, step=10)
-    assert (d.requeue, d.cause) == (False, "stopped") and "cancelled" in d.reason
+    assert (d.requeue, d.cause) == (False, "cancelled") and "cancelled" in d.reason
+
+
+# What the batch script sees after `scancel JOBID` (recorded on SLURM 22.05.8): the job is
+# COMPLETING with Reason=None while the script still runs, CANCELLED only once it is gone.
+SCANCELLED = job_line("COMPLETING")
+
+
+def two_rank_run(jobdir: Path, *, exit: dict | None, ranks=(0, 1)) -> None:
+    for rank in (0, 1):
+        EventLog(jobdir / "events.jsonl", rank=rank).emit("start", world_size=2, job_id="100", restart_count=0)
+    for rank in ranks:
+        EventLog(jobdir / "events.jsonl", rank=rank).emit(
+            "exit", **{"step": 10, "completed": False, "requeue": None, "reasons": [], "error": None, **(exit or {})})
+
+
+@pytest.mark.parametrize("rc", [0, 1, 143])
+def test_scancel_of_a_running_job_is_never_requeued(jobdir, env, rc) -> None:
+    """torchrun exits 1 when SLURM's SIGTERM reaches it after the ranks saved and exited:
+    the job state says cancelled, and no launcher exit code turns that into a crash."""
+    two_rank_run(jobdir, exit={"reasons": ["save-exit requested: SIGTERM from SLURM (scancel, ...)"]})
+    d = run_decide(jobdir, env, FakeScontrol(SCANCELLED), rc=rc, step=10)
+    assert (d.requeue, d.cause, d.exit_code) == (False, "cancelled", 0)
+    assert "the job was cancelled (scancel: JobState=COMPLETING" in d.reason
+    assert "the trainer saved step 10 and exited" in d.reason
+
+
+def test_scancel_of_a_crashed_run_keeps_its_exit_code(jobdir, env) -> None:
+    trainer_run(jobdir)  # no exit event: killed
+    d = run_decide(jobdir, env, FakeScontrol(SCANCELLED), rc=137, step=10)
+    assert (d.requeue, d.cause, d.exit_code) == (False, "cancelled", 137)
+
+
+@pytest.mark.parametrize("line", [TIMELIMIT, REQUEUED, job_line("COMPLETING", preempt="2026-11-22T16:50:36"),
+                                  job_line("COMPLETING", reason="NodeDown")],
+                         ids=["time-limit", "requeued", "preempted", "node-down"])
+def test_completing_for_another_reason_is_not_a_cancel(jobdir, env, line) -> None:
+    two_rank_run(jobdir, exit={"requeue": True, "reasons": ["USR1 received"]})
+    d = run_decide(jobdir, env, FakeScontrol(line), rc=1, step=10)
+    assert d.cause != "cancelled" and d.requeue
+
+
+def test_launcher_exit_code_after_every_rank_exited_cleanly_is_not_a_crash(jobdir, env) -> None:
+    """`scancel --signal=TERM` (signal only, the job goes on): torchrun exits 1, but both ranks
+    saved and exited; the trainers asked for no requeue, so the run is finished, not crashed."""
+    two_rank_run(jobdir, exit={"reasons": ["save-exit requested"]})
+    d = run_decide(jobdir, env, FakeScontrol(RUNNING), rc=1, step=10)
+    assert (d.requeue, d.cause, d.exit_code) == (False, "finished", 0)
+    assert d.run["exit_code"] == 1  # the launcher's code is still recorded
+
+
+@pytest.mark.parametrize("ranks", [(0,), (1,)])
+def test_one_rank_without_a_clean_exit_is_a_crash(jobdir, env, ranks) -> None:
+    two_rank_run(jobdir, exit={"reasons": ["save-exit requested"]}, ranks=ranks)
+    d = run_decide(jobdir, env, FakeScontrol(RUNNING), rc=1, step=10)
+    assert (d.requeue, d.cause) == (True, "crash")
+
+
+def test_a_rank_exit_with_an_error_is_a_crash(jobdir, env) -> None:
+    two_rank_run(jobdir, exit={"error": "RuntimeError: gloo connection closed"}, ranks=(0, 1))
+    d = run_decide(jobdir, env, FakeScontrol(RUNNING), rc=1, step=10)
+    assert (d.requeue, d.cause) == (True, "crash")
+
+
+# --------------------------------------------------------------------------------------
+# issue 15: a run refused by the job dir's lease; issue 19: the hang watchdog
+
+
+def lease_refused(jobdir: Path, *, job_id: str = "100", restart: int = 0) -> None:
+    EventLog(jobdir / "events.jsonl", rank=0).emit(
+        "lease-refused", job_id=job_id, restart_count=restart, exit_code=86,
+        holder={"holder": "job 99 (restart 0) on n1 pid 4242"}, reason="job dir in use")
+
+
+@pytest.mark.parametrize("how", ["exit-code", "event"])
+def test_lease_refused_is_never_requeued(jobdir, env, how) -> None:
+    if how == "event":
+        lease_refused(jobdir)
+    rc = 86 if how == "exit-code" else 1  # torchrun replaces the code: the event decides
+    d = run_decide(jobdir, env, FakeScontrol(PREEMPTED), rc=rc, step=10)  # even when preempted
+    assert (d.requeue, d.cause, d.exit_code) == (False, "lease refused", 86)
+    assert d.reason.startswith(f"another run holds the job dir {jobdir}")
+    if how == "event":
+        assert "job 99 (restart 0) on n1 pid 4242" in d.reason
+
+
+def test_lease_refused_of_another_job_does_not_count(jobdir, env) -> None:
+    lease_refused(jobdir, job_id="99")
+    lease_refused(jobdir, restart=1)
+    trainer_run(jobdir, exit={"requeue": True, "reasons": ["USR1 received"]})
+    d = run_decide(jobdir, env, FakeScontrol(RUNNING), rc=0, step=10)
+    assert (d.requeue, d.cause) == (True, "requested (SIGUSR1)")
+
+
+def test_finish_run_after_lease_refusal_touches_nothing(jobdir, env) -> None:
+    """The job dir belongs to the run holding the lease: its requests, runs.json and events
+    log (a `requeue` event would end its run there) stay as they are; nothing is waited for."""
+    trainer_run(jobdir, job_id="99")  # the holder, still running
+    (jobdir / "requests" / "1-h-1-save.json").write_text(json.dumps({"action": "save"}))
+    lease_refused(jobdir)
+    before = (jobdir / "events.jsonl").read_bytes()
+    fake = FakeScontrol(RUNNING)
+    out = finish_run(jobdir, exit_code=1, env=env, runner=fake, checkpoints_lookup=steps(10), saver_wait=0)
+    assert (out.exit_code, out.action) == (86, None) and not out.decision.requeue
+    assert out.message.startswith("ftkit requeue: not requeued: another run holds the job dir")
+    assert (jobdir / "events.jsonl").read_bytes() == before
+    assert not (jobdir / "runs.json").exists()
+    assert (jobdir / "requests" / "1-h-1-save.json").exists()
+    assert fake.requeued == []
+
+
+def hang_run(jobdir: Path, *, step: int, restart: int = 0) -> None:
+    trainer_run(jobdir, restart=restart)
+    EventLog(jobdir / "events.jsonl", rank=1).emit("hang", step=step, seconds=612.4, host="n2",
+                                                   file=str(jobdir / "hangs" / "hang-rank1-n2.txt"))
+
+
+def test_hang_after_progress_is_requeued(jobdir, env) -> None:
+    prior_runs(jobdir, {"requeue": True, "cause": "time limit", "end_step": 100})
+    hang_run(jobdir, step=170)
+    d = run_decide(jobdir, env, FakeScontrol(RUNNING), rc=1, step=150)  # torchrun: 1, not 87
+    assert (d.requeue, d.cause, d.exit_code) == (True, "hang", 0)
+    assert "hung: the hang watchdog found rank 1 on n2 completed no step for 612 s after step 170" in d.reason
+    assert "hang-rank1-n2.txt" in d.reason and "after progress to step 150" in d.reason
+    assert d.run["hang_step"] == 170
+
+
+def test_exit_code_87_alone_is_a_hang(jobdir, env) -> None:
+    trainer_run(jobdir)
+    d = run_decide(jobdir, env, FakeScontrol(RUNNING), rc=87, step=10)
+    assert (d.requeue, d.cause) == (True, "hang") and "exit code 87, no hang event" in d.reason
+
+
+def test_hang_again_at_the_same_step_without_progress_stops(jobdir, env) -> None:
+    policy = RequeuePolicy(max_no_progress=5)  # the hang rule, not the no-progress cap, stops it
+    prior_runs(jobdir, {"requeue": True, "cause": "time limit", "end_step": 100, "progress": True})
+    hang_run(jobdir, step=130)
+    first = run_decide(jobdir, env, FakeScontrol(RUNNING), rc=87, policy=policy, step=100)
+    assert first.requeue and "no newer checkpoint (1 of 5 allowed)" in first.reason
+    prior_runs(jobdir, {"requeue": True, "cause": "time limit", "end_step": 100, "progress": True}, dict(first.run))
+    env1 = SlurmEnv(job_id="100", restart_count=1)
+    hang_run(jobdir, step=130, restart=1)
+    d = run_decide(jobdir, env1, FakeScontrol(RUNNING), rc=87, policy=policy, step=100)
+    assert (d.requeue, d.cause, d.exit_code) == (False, "hang", 87)
+    assert d.reason.startswith("hung again at step 130 without a newer checkpoint (newest step 100)")
+    assert "the hang watchdog found rank 1 on n2" in d.reason
+    # a hang at another step is not "the same hang": the no-progress cap applies as for crashes
+    hang_run(jobdir, step=140, restart=1)
+    assert run_decide(jobdir, env1, FakeScontrol(RUNNING), rc=87, policy=policy, step=100).requeue
+
+
+def test_hangs_and_crashes_share_the_no_progress_cap(jobdir, env) -> None:
+    prior_runs(jobdir, {"cause": "crash", "progress": False, "requeue": True, "end_step": 100},
+               {"cause": "hang", "progress": False, "requeue": True, "end_step": 100, "hang_step": 120})
+    hang_run(jobdir, step=110)
+    d = run_decide(jobdir, env, FakeScontrol(RUNNING), rc=87, step=100)
+    assert not d.requeue and "3 times in a row" in d.reason and "FTKIT_MAX_NO_PROGRESS" in d.reason
+
+
+def test_hang_respects_requeue_on_crash_and_the_cap(jobdir) -> None:
+    hang_run(jobdir, step=50)
+    env = SlurmEnv(job_id="100", restart_count=0)
+    d = run_decide(jobdir, env, FakeScontrol(RUNNING), rc=87, policy=RequeuePolicy(requeue_on_crash=False), step=60)
+    assert not d.requeue and "requeue_on_crash is off" in d.reason and d.exit_code == 87
+    env = SlurmEnv(job_id="100", restart_count=3)
+    d = run_decide(jobdir, env, FakeScontrol(RUNNING), rc=87, policy=RequeuePolicy(max_requeues=3), step=60)
+    assert not d.requeue and "requeue cap reached" in d.reason
 
 
 def test_requeue_cap_from_slurm_restart_count(jobdir, env) -> None:

@@ -85,11 +85,13 @@ echo "low restart=${{SLURM_RESTART_COUNT:-0}}"
         "low-%j.txt",
     )
     low_out = slurm_jobs.workdir / f"low-{low}.txt"
-    slurm_jobs.wait_state(low, "RUNNING", timeout=30)
+    info = slurm_jobs.wait_state(low, "RUNNING", timeout=30)
     slurm_jobs.wait_file_contains(low_out, "low restart=0", timeout=15)
 
+    # all CPUs of the low job's node (on a multi-node cluster the others are free)
     high = slurm_jobs.submit(
-        "echo high ran", "-p", "high", "-n", str(slurm_cluster.cpus), "-o", "high-%j.txt"
+        "echo high ran", "-p", "high", "-N", "1", "-n", str(slurm_cluster.cpus), "-w", info["NodeList"],
+        "-o", "high-%j.txt"
     )
     slurm_jobs.wait_file_contains(low_out, "got USR1", timeout=20)
     # Normally a few seconds; a foreign job running in `low` that does not
@@ -101,3 +103,20 @@ echo "low restart=${{SLURM_RESTART_COUNT:-0}}"
     assert info["Restarts"] == "1"
     slurm_jobs.start_now(low)
     slurm_jobs.wait_file_contains(low_out, "low restart=1", timeout=20)
+
+
+def test_srun_spans_emulated_nodes_that_resolve_locally(slurm_multinode, slurm_jobs):
+    """`up --nodes 3`: one task per node, each started by that node's slurmd, and the
+    first node's name (MASTER_ADDR in the templates) resolves to this host."""
+    script = """
+MASTER=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+echo "master $MASTER $(getent hosts "$MASTER" | awk '{print $1}')"
+srun --ntasks-per-node=1 bash -c 'echo "task $SLURM_PROCID on $SLURMD_NODENAME"'
+"""
+    job = slurm_jobs.submit(script, "-N", "3", "-o", "span-%j.txt")
+    info = slurm_jobs.wait_state(job, "COMPLETED", timeout=60)
+    assert info["NodeList"] == "n[1-3]" and info["ExitCode"] == "0:0"
+    lines = (slurm_jobs.workdir / f"span-{job}.txt").read_text().splitlines()
+    assert "master n1 127.0.0.1" in lines
+    assert sorted(ln for ln in lines if ln.startswith("task")) == [
+        "task 0 on n1", "task 1 on n2", "task 2 on n3"]

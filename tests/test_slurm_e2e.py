@@ -51,16 +51,7 @@ def reference(tmp_path_factory, world: int) -> str:
     return results[0]["params_sha256"]
 
 
-@pytest.fixture(scope="module")
-def reference_sha(tmp_path_factory):
-    cache: dict[int, str] = {}
-
-    def get(world: int) -> str:
-        if world not in cache:
-            cache[world] = reference(tmp_path_factory, world)
-        return cache[world]
-
-    return get
+# reference_sha (tests/slurm_fixtures.py, session scope): reference(world), run once per world
 
 
 def submit_template(slurm_jobs, tmp_path: Path, template: str, *sbatch_args: str, env=None, **values) -> tuple[int, Path]:
@@ -171,7 +162,9 @@ def test_preemption_checkpoints_in_grace_time_and_resumes(slurm_jobs, tmp_path, 
     job, jobdir = submit_template(slurm_jobs, tmp_path, "single", partition="low",
                                   cpus_per_task=slurm_cluster.cpus)
     wait_progress(tmp_path, job)
-    high = slurm_jobs.submit("sleep 2", "-p", "high", "-c", str(slurm_cluster.cpus), "--job-name=e2e-high")
+    node = slurm_jobs.job_info(job)["NodeList"]  # on a multi-node cluster the others are free
+    high = slurm_jobs.submit("sleep 2", "-p", "high", "-c", str(slurm_cluster.cpus), "-w", node,
+                             "--job-name=e2e-high")
     info = slurm_jobs.wait_state(job, {"PENDING"}, timeout=90,
                                  where=lambda i: int(i.get("Restarts", "0")) >= 1)
     slurm_jobs.wait_state(high, {"COMPLETED"}, timeout=90)

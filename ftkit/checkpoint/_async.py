@@ -138,7 +138,10 @@ class AsyncCheckpointer:
                 f"checkpoint.async: world_size={comm.world_size} but torch.distributed is not initialized; "
                 "call torch.distributed.init_process_group() before creating the AsyncCheckpointer"
             )
-        gathered = comm.gather((uuid.uuid4().hex, socket.gethostname(), os.getpid()))
+        # SLURM's node name where there is one: several slurmd may share a host (MULTIPLE_SLURMD,
+        # the multi-node test cluster), and each node has its own saver
+        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        gathered = comm.gather((uuid.uuid4().hex, node, os.getpid()))
         run_id = gathered[0][0]  # save ids name this run: leftovers never match
         return run_id, [(host, pid) for _, host, pid in gathered]
 

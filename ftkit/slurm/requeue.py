@@ -15,7 +15,17 @@ Exit-code contract with the batch script (``exit $?`` after ``ftkit requeue``):
 * the training's own exit code: a crash that is not requeued, so SLURM shows FAILED;
 * ``75`` (:data:`EXIT_UNFINISHED`, sysexits' EX_TEMPFAIL): the run exited cleanly and
   wanted a requeue, but none happened (requeue cap reached, SLURM refused and the
-  fallback failed). Resubmit to continue.
+  fallback failed). Resubmit to continue;
+* ``86`` (:data:`ftkit.errors.EXIT_JOBDIR_BUSY`): another run holds the job dir; this run
+  changed nothing there, and neither does ``ftkit requeue`` (no ``runs.json`` record, no
+  event, request files left for the run that holds the lease).
+
+The launcher's exit code is only one of the facts: a launcher such as torchrun exits 1
+when SLURM's SIGTERM reaches it although every rank saved and exited cleanly, so the
+trainer's own ``exit`` events (one per rank) and SLURM's job state come first. A job the
+user cancelled (``scancel``) is never requeued: while its batch script still runs, SLURM
+22.05 shows ``JobState=COMPLETING`` (not CANCELLED) with no time limit, preemption or
+requeue behind it, and the script has ``KillWait`` seconds left.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from .._fs import atomic_write
-from ..errors import ConfigError, SlurmError
+from ..errors import EXIT_HANG, EXIT_JOBDIR_BUSY, ConfigError, SlurmError
 from ..events import EventLog, read_events
 from ..jobdir import JobDir
 from . import env as _env
@@ -123,7 +133,8 @@ class RequeueDecision:
     exit_code: int
     """What the batch script exits with if nothing goes wrong while performing it."""
     cause: str = ""
-    """``time limit``, ``preemption``, ``requested (...)``, ``crash``, ``completed``, ``stopped``, ``finished``."""
+    """``time limit``, ``preemption``, ``requested (...)``, ``requeued by SLURM``, ``crash``, ``hang``,
+    ``completed``, ``stopped``, ``cancelled``, ``finished`` or ``lease refused``."""
     training_exit_code: int = 0
     requeues: int = 0
     """Requeues in a row before this one."""
@@ -303,6 +314,66 @@ def _slurm_cause(info: Mapping[str, str] | None, env: SlurmEnv) -> str | None:
     return None
 
 
+def _cancelled(info: Mapping[str, str] | None, env: SlurmEnv) -> str | None:
+    """How SLURM shows the job was cancelled (scancel), else None.
+
+    After ``scancel JOBID`` SLURM 22.05 signals every process of the job and shows
+    ``JobState=COMPLETING Reason=None`` while the batch script still runs (CANCELLED only
+    once it is gone). A job that is COMPLETING while its batch script still runs was ended by
+    SLURM: with no time limit, deadline, preemption or requeue behind it, by a cancel.
+    """
+    if not info:
+        return None
+    state = info.get("JobState", "").upper()
+    if state == "CANCELLED":
+        return "JobState=CANCELLED"
+    if state != "COMPLETING" or _slurm_cause(info, env) is not None:
+        return None
+    reason = info.get("Reason", "").strip()
+    if reason.lower() not in _UNSET:
+        return None
+    return "JobState=COMPLETING while the batch script still runs, with no time limit, preemption or requeue"
+
+
+def _lease_refused(events: list[dict[str, Any]], env: SlurmEnv) -> dict[str, Any] | None:
+    """The ``lease-refused`` event this run wrote (the job dir was held by another run), else None.
+
+    The refusal comes before any ``start`` event, so the whole log is searched, by job id and
+    restart count (outside SLURM: the newest refusal after the last ``requeue`` event).
+    """
+    last_end = max((i for i, e in enumerate(events) if e.get("event") == "requeue"), default=-1)
+    for i in range(len(events) - 1, -1, -1):
+        e = events[i]
+        if e.get("event") != "lease-refused":
+            continue
+        if env.job_id is None:
+            return e if i > last_end else None
+        if str(e.get("job_id")) == env.job_id and int(e.get("restart_count") or 0) == env.restart_count:
+            return e
+    return None
+
+
+def _clean_exit(run_events: list[dict[str, Any]], start: dict[str, Any] | None) -> bool:
+    """Every rank of this run wrote an ``exit`` event without an error (from its ``start`` event's
+    world size): whatever the launcher's exit code, the trainers ended on purpose."""
+    if start is None:
+        return False
+    world = start.get("world_size")
+    world = world if isinstance(world, int) and world > 0 else 1
+    clean = {e.get("rank", 0) for e in run_events if e.get("event") == "exit" and not e.get("error")}
+    return clean >= set(range(world))
+
+
+def _hang_text(hang: dict[str, Any] | None) -> str:
+    if hang is None:
+        return f"the hang watchdog ended it (exit code {EXIT_HANG}, no hang event)"
+    seconds = hang.get("seconds")
+    waited = f" for {seconds:.0f} s" if isinstance(seconds, (int, float)) else ""
+    where = f"rank {hang.get('rank', '?')} on {hang.get('host', '?')}"
+    text = f"the hang watchdog found {where} completed no step{waited} after step {hang.get('step')}"
+    return text + (f" (stacks in {hang['file']})" if hang.get("file") else "")
+
+
 def decide(
     jobdir: str | os.PathLike[str],
     *,
@@ -329,9 +400,16 @@ def decide(
             log.warning("cannot ask SLURM about job %s, deciding without it: %s", env.job_id, exc)
     state = info.get("JobState", "").upper() if info else None
 
-    run_events = _this_run(list(read_events(job.events)), env)
+    all_events = list(read_events(job.events))
+    run_events = _this_run(all_events, env)
     start, exit_ = _last(run_events, "start"), _last(run_events, "exit")
     resumed = _last(run_events, "resume")
+    hang = _last(run_events, "hang")
+    refused = _lease_refused(all_events, env)
+    # torchrun and srun may exit non-zero for a signal that reached them after every rank
+    # had saved and exited cleanly: that is not a crash
+    clean = _clean_exit(run_events, start)
+    trc = 0 if clean else rc
     runs = read_runs(job.runs)
     requests = _pending_requests(job)
     end_step = checkpoints_lookup(job.checkpoints)
@@ -343,12 +421,13 @@ def decide(
         "job_id": env.job_id, "requeue_target": env.requeue_target, "restart_count": env.restart_count,
         "start_time": start.get("time") if start else None, "end_time": round(clock(), 3),
         "exit_code": rc, "start_step": start_step, "end_step": end_step, "progress": progress,
+        "hang_step": hang.get("step") if hang else None,
         "slurm_state": state,
     }
 
     def verdict(requeue: bool, cause: str, reason: str, code: int | None = None) -> RequeueDecision:
         if code is None:
-            code = 0 if requeue else (rc if rc != 0 else 0)
+            code = 0 if requeue else trc
         return RequeueDecision(
             requeue=requeue, reason=reason, exit_code=code, cause=cause, training_exit_code=rc,
             requeues=requeues, max_requeues=policy.max_requeues, fallback=policy.fallback,
@@ -356,6 +435,16 @@ def decide(
             slurm_state=state, job=info, run={**record, "cause": cause, "requeue": requeue, "reason": reason},
             spent_requests=tuple(str(p) for p, _ in requests),
         )
+
+    # 0. this run never had the job dir: it must not touch the run that has it
+    if refused is not None or rc == EXIT_JOBDIR_BUSY:
+        holder = (refused or {}).get("holder") or {}
+        who = holder.get("holder") if isinstance(holder, dict) else None
+        return verdict(False, "lease refused", f"another run holds the job dir {job.root}"
+                       + (f" ({who})" if who else "") + f": this run exited with code {EXIT_JOBDIR_BUSY} "
+                       "without touching it (lease-refused); not requeued. Wait for that run to end, end it, "
+                       f"or give this job another job dir; `ftkit status {job.root}` shows the holder",
+                       EXIT_JOBDIR_BUSY)
 
     # 1. stopped for good
     if job.kill_switch.exists():
@@ -369,8 +458,11 @@ def decide(
         return verdict(False, "stopped", "the trainer stopped for good" + (f": {reasons}" if reasons else ""))
     if exit_ is not None and exit_.get("completed"):
         return verdict(False, "completed", f"training completed (step {exit_.get('step')})")
-    if state == "CANCELLED":
-        return verdict(False, "stopped", "the job was cancelled (JobState=CANCELLED)")
+    cancelled = _cancelled(info, env)
+    if cancelled is not None:
+        saved = f"; the trainer saved step {exit_.get('step')} and exited" if exit_ is not None and clean else ""
+        return verdict(False, "cancelled", f"the job was cancelled (scancel: {cancelled}){saved}; "
+                       "a cancelled job is never requeued (resubmit it to continue)", trc)
 
     # 2. why did it end?
     slurm_cause = _slurm_cause(info, env)
@@ -386,7 +478,9 @@ def decide(
         cause = slurm_cause
     elif usr1:
         cause = "requested (SIGUSR1)" if "SIGUSR1" in str(usr1[-1].get("reason")) else "requested"
-    elif rc != 0:
+    elif hang is not None or rc == EXIT_HANG:
+        cause = "hang"
+    elif trc != 0:
         cause = "crash"
     elif exit_ is not None:
         return verdict(False, "finished", "the trainer exited without asking for a requeue"
@@ -395,23 +489,29 @@ def decide(
         return verdict(False, "finished", "the program exited with code 0 and left no ftkit exit record")
 
     # 3. limits
-    unfinished = rc if rc != 0 else EXIT_UNFINISHED
+    unfinished = trc if trc != 0 else EXIT_UNFINISHED
     if requeues >= policy.max_requeues:
         return verdict(False, cause, f"requeue cap reached: {requeues} requeues (FTKIT_MAX_REQUEUES / "
                        f"--max-requeues = {policy.max_requeues}); not requeued after {cause}", unfinished)
-    if cause == "crash":
+    if cause in ("crash", "hang"):
+        what = f"crashed with exit code {rc}" if cause == "crash" else f"hung: {_hang_text(hang)}"
         if not policy.requeue_on_crash:
-            return verdict(False, cause, f"crashed with exit code {rc}; requeue_on_crash is off "
+            return verdict(False, cause, f"{what}; requeue_on_crash is off "
                            "(FTKIT_REQUEUE_ON_CRASH / --no-requeue-on-crash)")
         if not progress:
-            streak = 1 + _streak(runs, lambda r: r.get("cause") == "crash" and not r.get("progress"))
+            previous = runs[-1] if runs else {}
+            if cause == "hang" and previous.get("cause") == "hang" and previous.get("hang_step") == record["hang_step"]:
+                return verdict(False, cause, f"hung again at step {record['hang_step']} without a newer checkpoint "
+                               f"(newest step {end_step}); the previous run hung at the same step, so a requeue "
+                               f"would hang there again: {what}")
+            streak = 1 + _streak(runs, lambda r: r.get("cause") in ("crash", "hang") and not r.get("progress"))
             if streak > policy.max_no_progress:
-                return verdict(False, cause, f"crashed with exit code {rc} without a newer checkpoint "
+                return verdict(False, cause, f"{what} without a newer checkpoint "
                                f"{streak} times in a row (newest step {end_step}); max_no_progress is "
                                f"{policy.max_no_progress} (FTKIT_MAX_NO_PROGRESS / --max-no-progress)")
-            why = f"crashed with exit code {rc}, no newer checkpoint ({streak} of {policy.max_no_progress} allowed)"
+            why = f"{what}, no newer checkpoint ({streak} of {policy.max_no_progress} allowed)"
         else:
-            why = f"crashed with exit code {rc} after progress to step {end_step}"
+            why = f"{what} after progress to step {end_step}"
     else:
         why = cause
     return verdict(True, cause, f"{why}; requeue {requeues + 1} of at most {policy.max_requeues}")
@@ -520,6 +620,13 @@ def finish_run(
     env = env if env is not None else SlurmEnv.from_env()
     from .savers import wait_for_savers
 
+    job = JobDir.of(jobdir)
+    if exit_code == EXIT_JOBDIR_BUSY or (job.root.is_dir() and _lease_refused(list(read_events(job.events)), env)):
+        # the savers, requests and records there belong to the run holding the lease
+        decision = decide(jobdir, exit_code=exit_code, env=env, policy=policy, runner=runner,
+                          checkpoints_lookup=lambda root: None, clock=clock)
+        return RunOutcome(decision=decision, action=None, message=f"ftkit requeue: not requeued: {decision.reason}",
+                          exit_code=decision.exit_code)
     waited, running, seconds = wait_for_savers(jobdir, saver_wait)
     if waited:
         EventLog(JobDir.of(jobdir).events).emit("savers-waited", pids=waited, still_running=running,
@@ -531,7 +638,6 @@ def finish_run(
         what = f"would requeue job {target}" if decision.requeue else "would not requeue"
         return RunOutcome(decision=decision, action=None, message=f"ftkit requeue (dry run): {what}: {decision.reason}",
                           exit_code=decision.exit_code)
-    job = JobDir.of(jobdir)
     runs = read_runs(job.runs)
     record = dict(decision.run)
     record["method"] = ("slurm" if decision.already_requeued else "scontrol") if decision.requeue else None
