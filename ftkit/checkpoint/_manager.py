@@ -276,6 +276,7 @@ class Checkpointer:
         if step is None and mode == "never":
             log.info("checkpoint.resume is 'never': starting fresh")
             return None
+        began = time.monotonic()  # the load event splits finding/validating from reading
         self.comm.check()
         self._note_leftovers()
         if step is None:
@@ -285,12 +286,14 @@ class Checkpointer:
         skipped: list[str] = []
         for path in candidates:
             problem = self._agree_valid(path)
+            found = time.monotonic()
             if not problem:
                 problem = self._try_load(state, path)
             if not problem:
                 restored = int(validate_dir(path).step)
                 log.info("resumed from checkpoint %s", path)
-                self._emit("load", step=restored, path=str(path))
+                self._emit("load", step=restored, path=str(path), find_seconds=round(found - began, 6),
+                           read_seconds=round(time.monotonic() - found, 6))
                 return restored
             skipped.append(f"{path.name}: {problem}")
             log.warning("skipping checkpoint %s: %s", path, problem)

@@ -18,7 +18,7 @@ from ..errors import FtkitError
 __all__ = ["main"]
 
 # Command-group modules, in the order their commands appear in --help.
-_GROUPS = ("_triggers", "_status", "_checkpoints", "_slurm", "_demo")
+_GROUPS = ("_triggers", "_status", "_report", "_checkpoints", "_slurm", "_demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

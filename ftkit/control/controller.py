@@ -16,7 +16,9 @@ from ..jobdir import JobDir
 from ..triggers.budget import BudgetConfig, TimeBudget
 from ..triggers.files import SwitchWatcher, WatchConfig
 from ..triggers.signals import SignalConfig, SignalTrigger
-from .agreement import AgreementConfig, Collective, decode_flags, encode
+from .agreement import WIDTH, AgreementConfig, Collective, decode_flags, encode
+from .interval import AutoInterval, IntervalConfig
+from .runclock import RunClock, TimingConfig
 
 __all__ = ["Config", "FaultTolerance"]
 
@@ -45,15 +47,24 @@ class Config:
     """A ``ftkit.checkpoint.AsyncConfig`` to save in the background (the loop stalls only for
     the in-memory snapshot); None: synchronous saves."""
 
-    save_every: int | None = None
-    """Also save every this many steps (periodic checkpoints); None: only on request."""
+    save_every: int | str | None = None
+    """Also save every this many steps (periodic checkpoints); ``"auto"``: at the interval
+    ``interval`` derives from the measured checkpoint cost and the MTBF (Young/Daly, see
+    docs/goodput.md); None: only on request."""
+
+    interval: IntervalConfig = field(default_factory=IntervalConfig)
+    """How ``save_every="auto"`` picks the interval (MTBF, bounds)."""
+
+    timing: TimingConfig = field(default_factory=TimingConfig)
+    """What the run records about its own timing for ``ftkit report``."""
 
     save_at_end: bool = True
     """Save a checkpoint when ``range()`` reaches the last step."""
 
     def __post_init__(self) -> None:
-        if self.save_every is not None and (not isinstance(self.save_every, int) or self.save_every < 1):
-            raise ConfigError(f"save_every: must be a whole number of steps >= 1 or None, got {self.save_every!r}")
+        if self.save_every is not None and self.save_every != "auto" and (
+                not isinstance(self.save_every, int) or self.save_every < 1):
+            raise ConfigError(f"save_every: must be a whole number of steps >= 1, 'auto' or None, got {self.save_every!r}")
 
 
 def _dist_info(process_group: Any) -> tuple[int, int, Any]:
@@ -91,6 +102,9 @@ class FaultTolerance:
         self._clock = clock
         self._wallclock = wallclock
         self.events = EventLog(self.job.events, rank=self.rank, clock=wallclock)
+        self.runclock = RunClock(self.events, self.config.timing, clock=clock, wallclock=wallclock,
+                                 emit=self.rank == 0)
+        self._auto: AutoInterval | None = None  # save_every="auto", made in start()
         self.box = RequestBox()
         self._signals = SignalTrigger(self.config.signals, self.box, clock=clock)
         self._watcher = SwitchWatcher(self.job, self.box, self.config.watch)
@@ -121,6 +135,7 @@ class FaultTolerance:
         if self._started:
             return self
         self._started = True
+        self.runclock.started()
         if self.job.kill_switch.is_file() and not self.job.kill_switch.is_symlink():
             self._no_save_at_start = True
             log.warning("kill-switch %s exists: this run saves nothing and exits at its first check",
@@ -139,6 +154,8 @@ class FaultTolerance:
         from ..slurm.env import SlurmEnv
 
         slurm = SlurmEnv.from_env()
+        if self.config.save_every == "auto":
+            self._auto = self._auto_interval()
         self.events.emit(
             "start",
             world_size=self.world_size,
@@ -147,6 +164,7 @@ class FaultTolerance:
             kill_switch=self._no_save_at_start,
             observer=self._watcher.observer_kind,
             deadline=self.budget.end_time,
+            **self.runclock.start_fields(),
         )
         return self
 
@@ -181,6 +199,7 @@ class FaultTolerance:
                 requeue=None if final is None else final.requeue,
                 reasons=[] if final is None else list(final.reasons),
                 error=self._crash,
+                **self.runclock.exit_fields(),
             )
 
     def __enter__(self) -> FaultTolerance:
@@ -223,6 +242,11 @@ class FaultTolerance:
         if self._last_check is not None:
             self.budget.record_step(now - self._last_check)
         self._last_check = now
+        clk = self.runclock
+        clk.step = step
+        clk.last = now
+        if now >= clk.due:
+            clk.tick(step, now)
         if self._final is not None:
             if self.box.pending:  # log what arrives after the exit was decided; it changes nothing
                 self._take(self.box.drain(), step)
@@ -303,11 +327,18 @@ class FaultTolerance:
         if self._background:
             self._poll_background(step)
         decision = self.check(step)
-        periodic = (
-            self.config.save_every is not None
-            and step % self.config.save_every == 0
-            and not self._no_save_at_start
-        )
+        if self._auto is None:
+            periodic = (
+                self.config.save_every is not None
+                and step % self.config.save_every == 0
+                and not self._no_save_at_start
+            )
+        else:
+            periodic = step >= self._auto.next_step and not self._no_save_at_start
+            if self._auto.steps is None and not periodic:  # the first step: a step time to plan with
+                step_time = self.runclock.step_time()
+                if step_time is not None:
+                    self._auto.schedule(step, step_time=step_time)
         if decision.save or (periodic and not decision.exit):
             self.save(step, decision=decision if decision.save else None)
         return decision
@@ -368,8 +399,12 @@ class FaultTolerance:
         self.start()
         if self._no_save_at_start:
             return 0
-        step = self.checkpoints.load(self._require_state())
-        self.events.emit("resume", step=step)
+        began = self._clock()
+        manager = self.checkpoints
+        loaded = self._clock()
+        step = manager.load(self._require_state())
+        self.events.emit("resume", step=step, **self.runclock.resumed(
+            step, load_seconds=self._clock() - loaded, manager_seconds=loaded - began))
         self._last_saved_step = step
         return 0 if step is None else int(step)
 
@@ -393,10 +428,35 @@ class FaultTolerance:
             log.warning("checkpoint at step %d failed, training continues: %s", step, exc)
             return None
         seconds = self._clock() - began
+        exiting = bool(decision is not None and decision.exit) or reason == "end of training"
+        self.runclock.saved(step, seconds, exiting=exiting)
+        if self._auto is not None and not exiting:
+            self._replan(step, seconds)
         if self._background:  # the budget needs the time until durable, not the stall
             seconds = max(seconds, getattr(self.checkpoints, "last_persist_seconds", None) or 0.0)
         self.saved(step, seconds=seconds, decision=decision)
         return info
+
+    def _auto_interval(self) -> AutoInterval:
+        """``save_every="auto"``: the rule, primed with what earlier runs of this job dir measured."""
+        from ..events import read_events
+        from .interval import read_history
+
+        collective = self._collective
+        agree = None if collective is None else (lambda n: int(collective.reduce([n] + [0] * (WIDTH - 1))[0]))
+        in_flight = getattr(self.config.async_save, "max_in_flight", 1)
+        return AutoInterval(self.config.interval, events=self.events if self.rank == 0 else None,
+                            history=read_history(list(read_events(self.job.events))),
+                            max_in_flight=in_flight, agree=agree)
+
+    def _replan(self, step: int, stall: float) -> None:
+        """After a periodic or requested save: new measurements, maybe a new interval."""
+        auto = self._auto
+        durable = getattr(self.checkpoints, "last_persist_seconds", None) if self._background else stall
+        auto.measured(cost=stall, durable=durable)
+        step_time = self.runclock.step_time()
+        if step_time is not None:
+            auto.schedule(step, step_time=step_time)
 
     def _poll_background(self, step: int) -> None:
         """Memory snapshots due at this step, and a background save that failed since the last
