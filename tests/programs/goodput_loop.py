@@ -1,13 +1,16 @@
 """A periodic-saving training loop for the goodput report tests.
 
     python goodput_loop.py JOBDIR STEPS STEP_SECONDS SAVE_EVERY [--progress S] [--fail-rate R] [--seed N]
+                           [--die-after S] [--state-mb MB] [--mtbf S] [--max-interval S] [--first-after S]
 
 Trains a small linear model; each step sleeps STEP_SECONDS (the "compute"). SAVE_EVERY is a
 step count or ``auto``. Every completed step is appended to JOBDIR/steps.log as
 ``pid step wall-time`` (the truth the report is checked against). SIGUSR1 saves and exits
 asking for a requeue. ``--fail-rate R`` makes the process kill itself with SIGKILL with
-probability R per step (an injected crash, from its own seeded generator). Its last statement
-writes JOBDIR/ended-PID with the time.
+probability R per step (an injected crash, from its own seeded generator); ``--die-after S``
+kills it once its loop has run S seconds (a failure schedule the caller draws). ``--state-mb``
+adds a buffer of that size to the checkpointed state (a checkpoint that costs something).
+Its last statement writes JOBDIR/ended-PID with the time.
 """
 
 import argparse
@@ -35,6 +38,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-interval", type=float, default=3600.0)
     ap.add_argument("--first-after", type=float, default=300.0)
+    ap.add_argument("--die-after", type=float, default=None)
+    ap.add_argument("--state-mb", type=float, default=0.0)
+    ap.add_argument("--mtbf", type=float, default=None)
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -47,12 +53,18 @@ def main() -> int:
         save_every=every or None,
         save_at_end=True,
         timing=TimingConfig(progress_every=args.progress),
-        interval=IntervalConfig(max_interval=args.max_interval, first_after=args.first_after),
+        interval=IntervalConfig(max_interval=args.max_interval, first_after=args.first_after, mtbf=args.mtbf),
     )
     rng = random.Random(f"{args.seed}-{os.getpid()}")
+    args.jobdir.mkdir(parents=True, exist_ok=True)
     log = open(args.jobdir / "steps.log", "a", buffering=1)  # noqa: SIM115 (lives as long as the loop)
-    with ftkit.FaultTolerance(args.jobdir, state={"model": model, "optimizer": opt}, config=config) as ft:
+    state = {"model": model, "optimizer": opt}
+    if args.state_mb:
+        state["buffer"] = torch.zeros(int(args.state_mb * 2**20) // 4)
+    with ftkit.FaultTolerance(args.jobdir, state=state, config=config) as ft:
+        looping = None
         for step in ft.range(args.steps):
+            looping = time.monotonic() if looping is None else looping
             x = torch.randn(32, 64)
             loss = (model(x) - x).pow(2).mean()
             opt.zero_grad()
@@ -61,6 +73,8 @@ def main() -> int:
             time.sleep(args.step_seconds)
             log.write(f"{os.getpid()} {step + 1} {time.time():.6f}\n")
             if args.fail_rate and rng.random() < args.fail_rate:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if args.die_after is not None and time.monotonic() - looping >= args.die_after:
                 os.kill(os.getpid(), signal.SIGKILL)
     log.close()
     # the last statement: the interpreter's teardown after it (over a second with torch loaded
