@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,3 +137,30 @@ def test_auto_in_a_run_follows_the_measured_cost(tmp_path: Path) -> None:
     assert saves == [51, 171, 291]  # the first step (1) + 50, every 120 steps; 291 + 240 is past 400
     # the first save after the cost change (at 291) measured 8 s and planned 240 steps
     assert records[2]["step"] == 291
+
+
+def test_ranks_with_different_step_times_agree_on_one_interval(tmp_path: Path) -> None:
+    """Alone, rank 0 (1 s steps) would save every 120 steps and rank 1 (2 s steps) every 60;
+    they agree on the larger count, so both save at the same steps (a synchronous save with
+    several ranks is collective: a disagreement would hang them)."""
+    program = Path(__file__).parent / "programs" / "auto_ranks.py"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+               "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        procs.append(subprocess.Popen([sys.executable, str(program), str(tmp_path), "200"], env=env))
+    try:
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    saves = [json.loads((tmp_path / f"saves-rank{r}.json").read_text()) for r in range(2)]
+    # first: 50 s / 1 s (rank 0's count, the larger); then sqrt(2 * 2 * 3600) = 120 s / 1 s
+    assert saves == [[51, 171], [51, 171]]
+    records = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "interval"]
+    assert [r["steps"] for r in records] == [50, 120] and all(r["rank"] == 0 for r in records)
