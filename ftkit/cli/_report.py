@@ -25,7 +25,7 @@ _LABELS = {
 }
 _PARTS = {
     "before_ftkit": "until ftkit started (interpreter, imports, user set-up)",
-    "setup": "ftkit set-up (handlers, watchers, agreement)",
+    "setup": "ftkit set-up (handlers, watchers, agreement, checkpoint manager)",
     "find": "finding and validating the checkpoint",
     "load": "loading the checkpoint",
     "other": "user code between start() and resume()",

@@ -4,10 +4,10 @@ Every run's wall time (process start to end, :mod:`ftkit.report.runs`) is cut in
 that add up to it exactly:
 
 * ``restart``: process start until the training loop begins, split into ``before_ftkit``
-  (interpreter, imports, the user's set-up up to ``FaultTolerance.start()``), ``setup``
-  (signal handlers, watchers, the time budget, the agreement), ``find`` (creating the
-  checkpoint manager, finding and validating the checkpoint), ``load`` (reading it into the
-  state), ``other`` (the user's code between ``start()`` and ``resume()``) and ``warmup`` (the
+  (interpreter, imports, the user's set-up up to ``FaultTolerance.start()``, which includes
+  ``init_process_group``), ``setup`` (signal handlers, watchers, the time budget, the agreement
+  collective, creating the checkpoint manager and its cross-rank agreement), ``find`` (finding
+  and validating the checkpoint), ``load`` (reading it into the state), ``other`` (the user's code between ``start()`` and ``resume()``) and ``warmup`` (the
   first step beyond an ordinary step: compilation, caches);
 * ``stall``: the loop waiting for checkpoints (a synchronous save's whole time, the memory
   snapshot of a background save);
@@ -75,11 +75,11 @@ def _run_buckets(run: Run, nxt: Run | None) -> dict[str, Any]:
     parts = dict.fromkeys(RESTART_PARTS, 0.0)
     if run.process_start is not None:
         parts["before_ftkit"] = max(run.ftkit_start - run.process_start, 0.0)
-    parts["setup"] = run.setup_seconds or 0.0
+    parts["setup"] = (run.setup_seconds or 0.0) + (run.manager_seconds or 0.0)
     load_call = run.load_call_seconds
     if load_call is not None:
         find = run.find_seconds if run.find_seconds is not None else (load_call if run.resume_step is None else 0.0)
-        parts["find"] = (run.manager_seconds or 0.0) + find
+        parts["find"] = find
         parts["load"] = max(load_call - find, 0.0) if run.find_seconds is not None or run.resume_step is None else load_call
     parts["other"] = (loop_start - run.begin) - sum(parts.values())
     fs = run.first_step

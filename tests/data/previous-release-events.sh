@@ -1,3 +1,12 @@
+#!/usr/bin/env bash
+# How tests/data/previous-release-events.jsonl was made: three `ftkit demo` runs of the main
+# checkout at 122984e (the release before the goodput report, so no timing facts), with
+# SLURM_JOB_ID / SLURM_RESTART_COUNT set by hand to look like one requeued SLURM job:
+#   run 1 killed with kill -9 after its checkpoint at step 200,
+#   run 2 resumed from 200 and stopped by SIGUSR1 (save at 402, exit, requeue wish),
+#   run 3 resumed from 402 and completed 600 steps.
+# (With SLURM_JOB_ID set, the time budget asked `scontrol show job 1001`, which found no such
+# job; set FTKIT_DEADLINE to avoid that lookup when re-making it.)
 set -x
 export PYTHONPATH=/work/main
 J=/tmp/fx18/job
