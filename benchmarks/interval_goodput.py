@@ -72,14 +72,15 @@ def main() -> int:
             print(f"  {name}: done in {time.monotonic() - t0:.0f} s", flush=True)
     print(f"\n{args.steps} steps of {args.step_time} s, {args.state_mb:g} MB state, failures every "
           f"{args.mtbf:g} s of training on average (seed {args.seed})\n")
-    head = ("policy", "runs", "wall s", "productive", "re-done", "stalls", "restart", "exit wait", "lost s", "goodput")
+    head = ("policy", "runs", "wall s", "productive", "re-done", "stalls", "restart", "exit wait", "lost s",
+            "lost-restart", "goodput")
     print(("{:<12}" + "{:>11}" * (len(head) - 1)).format(*head))
     for r in reports:
         b = r["buckets"]
         lost = r["wall"] - b["productive"]
-        print(("{:<12}{:>11}" + "{:>11.1f}" * 7 + "{:>10.1f}%").format(
+        print(("{:<12}{:>11}" + "{:>11.1f}" * 8 + "{:>10.1f}%").format(
             r["policy"], len(r["runs"]), r["wall"], b["productive"], b["redone"], b["stall"], b["restart"],
-            b["exit_wait"], lost, 100 * r["goodput"]))
+            b["exit_wait"], lost, lost - b["restart"], 100 * r["goodput"]))
     auto = [e for e in reports[0]["runs"] if e["step_time"]]
     iv = reports[0]["interval"]
     print(f"\nauto: checkpoint cost {iv['cost']:.3f} s measured, recommended interval {iv['recommended']:.2f} s"

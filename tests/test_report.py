@@ -143,6 +143,11 @@ def test_report_buckets_add_up_across_kill9_usr1_and_completion(tmp_path: Path) 
     assert report["lost_gpu_hours"] == pytest.approx(4 * (report["wall"] - buckets["productive"]) / 3600)
     assert report["interval"]["failures"] == 1 and report["interval"]["recommended"] > 0
 
+    # progress records are timed, not per step: at most one per 0.1 s of each run
+    records = [e for e in read_events(jobdir / "events.jsonl") if e["event"] == "progress" and "stall" not in e]
+    assert 0 < len(records) <= sum(r.wall for r in runs) / 0.1 + 3 * len(runs)
+    assert len(records) < (TOTAL + killed_at - 100) / 2
+
     # the human-readable report says the same
     text = ftkit_cli("report", str(jobdir), "--gpus-per-node", "8").stdout
     assert "goodput" in text and "re-done work" in text and "GPU-hours lost" in text
@@ -198,3 +203,32 @@ def test_report_cli_help_stays_light() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
     assert "--plot" in out and out.strip().endswith("LIGHT")
+
+
+def _records(*runs: list[tuple[str, dict]]) -> list[dict]:
+    out, t = [], 1000.0
+    for pid, run in enumerate(runs, start=1):
+        for kind, fields in run:
+            t += 10.0
+            out.append({"time": t, "event": kind, "rank": 0, "pid": pid, **fields})
+    return out
+
+
+def test_unplanned_interruptions_are_crashes_kills_and_hangs_not_time_limits() -> None:
+    from ftkit.report import parse_runs
+
+    start = ("start", {"process_start": 0.0})
+    log = _records(
+        [start, ("exit", {"step": 5, "requeue": True, "reasons": ["time budget"]}),
+         ("requeue", {"cause": "time limit", "requeue": True})],
+        [start, ("exit", {"step": 9, "error": "RuntimeError: boom"})],
+        [start, ("progress", {"step": 12})],
+        [start, ("exit", {"step": 15}), ("requeue", {"cause": "hang", "requeue": True})],
+        [start, ("exit", {"step": 20, "requeue": True, "reasons": ["SIGUSR1 received"]})],
+        [start, ("exit", {"step": 30, "completed": True})],
+    )
+    runs = parse_runs(log)
+    assert [r.cause for r in runs] == ["time limit", "crash: RuntimeError: boom", "killed (no exit record)", "hang",
+                                       "requeue: SIGUSR1 received", "completed"]
+    assert [r.unplanned for r in runs] == [False, True, True, True, False, False]
+    assert runs[2].end == runs[2].events[-1]["time"] and runs[2].last_step == 12

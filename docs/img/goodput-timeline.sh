@@ -11,7 +11,7 @@ OUT=${2:-docs/img/goodput-timeline.png}
 rm -rf "$J"
 export FTKIT_DEADLINE=$(( $(date +%s) + 86400 )) SLURM_JOB_ID=7001 SLURM_GPUS_ON_NODE=4 SLURM_JOB_NUM_NODES=1
 demo() { SLURM_RESTART_COUNT=$1 python3 -m ftkit demo --no-live --jobdir "$J" --steps 2000 --step-time 0.02 \
-         --save-every 400 > "$J.run$1.log" 2>&1 & }
+         --save-every 150 > "$J.run$1.log" 2>&1 & }
 progress() { grep -sc '"event": "progress", "rank": 0, "host": "[^"]*", "pid": [0-9]*, "step": [0-9]*, "steps": [0-9]*}' "$J/events.jsonl" 2>/dev/null; }
 mkdir -p "$J"
 demo 0; P=$!
