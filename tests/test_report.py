@@ -146,7 +146,6 @@ def test_report_buckets_add_up_across_kill9_usr1_and_completion(tmp_path: Path) 
     # progress records are timed, not per step: at most one per 0.1 s of each run
     records = [e for e in read_events(jobdir / "events.jsonl") if e["event"] == "progress" and "stall" not in e]
     assert 0 < len(records) <= sum(r.wall for r in runs) / 0.1 + 3 * len(runs)
-    assert len(records) < (TOTAL + killed_at - 100) / 2
 
     # the human-readable report says the same
     text = ftkit_cli("report", str(jobdir), "--gpus-per-node", "8").stdout
