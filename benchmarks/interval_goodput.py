@@ -74,11 +74,11 @@ def main() -> int:
           f"{args.mtbf:g} s of training on average (seed {args.seed})\n")
     head = ("policy", "runs", "wall s", "productive", "re-done", "stalls", "restart", "exit wait", "lost s",
             "lost-restart", "goodput")
-    print(("{:<12}" + "{:>11}" * (len(head) - 1)).format(*head))
+    print(("{:<12}" + "{:>11}" * (len(head) - 3) + "{:>13}{:>11}").format(*head))
     for r in reports:
         b = r["buckets"]
         lost = r["wall"] - b["productive"]
-        print(("{:<12}{:>11}" + "{:>11.1f}" * 8 + "{:>10.1f}%").format(
+        print(("{:<12}{:>11}" + "{:>11.1f}" * 7 + "{:>13.1f}{:>10.1f}%").format(
             r["policy"], len(r["runs"]), r["wall"], b["productive"], b["redone"], b["stall"], b["restart"],
             b["exit_wait"], lost, lost - b["restart"], 100 * r["goodput"]))
     auto = [e for e in reports[0]["runs"] if e["step_time"]]
