@@ -231,3 +231,19 @@ def test_unplanned_interruptions_are_crashes_kills_and_hangs_not_time_limits() -
                                        "requeue: SIGUSR1 received", "completed"]
     assert [r.unplanned for r in runs] == [False, True, True, True, False, False]
     assert runs[2].end == runs[2].events[-1]["time"] and runs[2].last_step == 12
+
+
+def test_a_run_still_going_is_reported_as_running_not_killed(tmp_path: Path) -> None:
+    jobdir = tmp_path / "live"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(PROGRAM), str(jobdir), "100000", "0.01", "50", "--progress", "0.1"],
+                            env=env)
+    try:
+        wait_for(lambda: progress_count(jobdir) >= 2, 90, what="progress records of the live run")
+        row = json.loads(ftkit_cli("report", str(jobdir), "--json").stdout)["runs"][-1]
+        assert row["cause"] == "running (no exit record yet)" and not row["unplanned"]
+    finally:
+        proc.kill()
+        proc.wait()
+    row = json.loads(ftkit_cli("report", str(jobdir), "--json").stdout)["runs"][-1]
+    assert row["cause"] == "killed (no exit record)" and row["unplanned"]

@@ -68,9 +68,25 @@ def collect_report(jobdir: Path, *, gpus_per_node: int | None = None, mtbf: floa
         kw["mtbf"] = mtbf
     if max_interval is not None:
         kw["max_interval"] = max_interval
-    report = analyse(events, gpus_per_node=gpus_per_node, interval_config=IntervalConfig(**kw))
+    report = analyse(events, gpus_per_node=gpus_per_node, interval_config=IntervalConfig(**kw), alive=_alive)
     report["jobdir"] = str(job.root)
     return report
+
+
+def _alive(host: str | None, pid: int | None) -> bool:
+    """Whether a process of this machine still runs (a run without an exit record yet)."""
+    import os
+    import socket
+
+    if pid is None or host != socket.gethostname():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _dur(seconds: float | None) -> str:

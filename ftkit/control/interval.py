@@ -144,11 +144,11 @@ class History:
         return max(config.assumed_mtbf, self.observed), f"assumed (no unplanned interruption in {self.observed:.0f} s)"
 
 
-def read_history(events: Sequence[dict[str, Any]]) -> History:
+def read_history(events: Sequence[dict[str, Any]], *, alive: Callable[[Any, Any], bool] | None = None) -> History:
     """The rule's inputs from an events log (earlier runs of this job dir)."""
     from ..report.runs import parse_runs
 
-    runs = parse_runs(events)
+    runs = parse_runs(events, alive=alive)
     costs = [s for r in runs for s in r.stall_values()]
     durable = [float(e["seconds"]) for e in events if e.get("event") == "save" and "seconds" in e]
     return History(

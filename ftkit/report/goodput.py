@@ -119,9 +119,9 @@ def _gpus(run: Run, gpus_per_node: int | None) -> int | None:
 
 
 def analyse(events: Sequence[dict[str, Any]], *, gpus_per_node: int | None = None,
-            interval_config: Any = None) -> dict[str, Any]:
-    """The whole report as plain data (``ftkit report --json``)."""
-    runs = parse_runs(events)
+            interval_config: Any = None, alive: Any = None) -> dict[str, Any]:
+    """The whole report as plain data (``ftkit report --json``); ``alive`` as in :func:`parse_runs`."""
+    runs = parse_runs(events, alive=alive)
     rows, notes = [], []
     totals = dict.fromkeys(BUCKETS, 0.0)
     parts_total = dict.fromkeys(RESTART_PARTS, 0.0)
@@ -174,18 +174,18 @@ def analyse(events: Sequence[dict[str, Any]], *, gpus_per_node: int | None = Non
         "goodput": productive / wall if wall > 0 else None,
         "goodput_with_queue": productive / (wall + between) if wall + between > 0 else None,
         "lost_gpu_hours": lost_gpu_s / 3600 if gpus_known and runs else None,
-        "interval": advise(runs, rows, events, interval_config),
+        "interval": advise(runs, rows, events, interval_config, alive=alive),
         "notes": notes,
     }
 
 
 def advise(runs: list[Run], rows: list[dict[str, Any]], events: Sequence[dict[str, Any]],
-           config: Any = None) -> dict[str, Any]:
+           config: Any = None, *, alive: Any = None) -> dict[str, Any]:
     """The interval ``save_every="auto"`` would pick now, and the expected loss at the current one."""
     from ..control.interval import IntervalConfig, choose_interval, expected_waste, read_history
 
     config = config if config is not None else IntervalConfig()
-    history = read_history(events)
+    history = read_history(events, alive=alive)
     mtbf, source = history.mtbf(config)
     out: dict[str, Any] = {"mtbf": mtbf, "mtbf_source": source, "failures": history.failures,
                            "cost": history.cost, "durable": history.durable}

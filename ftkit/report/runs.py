@@ -11,7 +11,7 @@ the OOM killer) ends at the last record its own process wrote (a ``progress`` re
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,15 +84,24 @@ class Run:
         return [float(s["stall"]) for s in self.stalls if not s.get("exiting")]
 
 
-def parse_runs(events: Iterable[dict[str, Any]]) -> list[Run]:
-    """Group an events log into runs (module doc), in order."""
+def parse_runs(events: Iterable[dict[str, Any]], *, alive: Callable[[str | None, int | None], bool] | None = None
+               ) -> list[Run]:
+    """Group an events log into runs (module doc), in order. ``alive(host, pid)`` tells a last
+    run without an exit record that is still running (not an interruption) from a killed one."""
     groups: list[list[dict[str, Any]]] = []
     for e in events:
         if e.get("event") == "start" and e.get("rank", 0) == 0:
             groups.append([e])
         elif groups:
             groups[-1].append(e)
-    return [_run(i, g) for i, g in enumerate(groups)]
+    runs = [_run(i, g) for i, g in enumerate(groups)]
+    last = runs[-1] if runs else None
+    if last is not None and last.exit is None and last.requeue is None and alive is not None \
+            and alive(last.start.get("host"), last.pid):
+        last.cause, last.unplanned = "running (no exit record yet)", False
+        last.notes[:] = [n for n in last.notes if not n.startswith("no exit record")]
+        last.notes.append("the last run is still running: it ends, for now, at its last record")
+    return runs
 
 
 def _first(events: list[dict[str, Any]], kind: str, pid: Any = None) -> dict[str, Any] | None:
