@@ -1,6 +1,6 @@
 """The ``ftkit`` command. The only place that prints with rich.
 
-Each command group lives in its own module (``_triggers``, ``_checkpoints``, ``_slurm``,
+Each command group lives in its own module (``_triggers``, ``_status``, ``_report``, ``_checkpoints``, ``_slurm``,
 ``_demo``) with a ``register(subparsers)`` function. Modules import torch and other heavy
 packages only inside the command functions, so ``ftkit --help`` stays light.
 """
