@@ -28,11 +28,14 @@ __all__ = [
     "Decision",
     "FaultTolerance",
     "FtkitError",
+    "JobDirBusyError",
+    "LeaseConfig",
     "NoCheckpointError",
     "ResumableSampler",
     "SignalConfig",
     "SlurmError",
     "WatchConfig",
+    "WatchdogConfig",
     "__version__",
 ]
 
@@ -45,6 +48,7 @@ _LAZY = {
     "SignalConfig": "ftkit.triggers.signals",
     "WatchConfig": "ftkit.triggers.files",
     "BudgetConfig": "ftkit.triggers.budget",
+    "WatchdogConfig": "ftkit.control.watchdog",
     "CheckpointConfig": "ftkit.checkpoint",
     "AsyncConfig": "ftkit.checkpoint",
     "ResumableSampler": "ftkit.checkpoint",
@@ -53,14 +57,25 @@ _LAZY = {
     "CheckpointError": "ftkit.errors",
     "NoCheckpointError": "ftkit.errors",
     "SlurmError": "ftkit.errors",
+    "LeaseConfig": "ftkit.lease",
+    "JobDirBusyError": "ftkit.errors",
 }
 
 if TYPE_CHECKING:
     from .checkpoint import AsyncConfig, CheckpointConfig, ResumableSampler
     from .control.agreement import AgreementConfig
     from .control.controller import Config, FaultTolerance
+    from .control.watchdog import WatchdogConfig
     from .decision import Action, Decision
-    from .errors import CheckpointError, ConfigError, FtkitError, NoCheckpointError, SlurmError
+    from .errors import (
+        CheckpointError,
+        ConfigError,
+        FtkitError,
+        JobDirBusyError,
+        NoCheckpointError,
+        SlurmError,
+    )
+    from .lease import LeaseConfig
     from .triggers.budget import BudgetConfig
     from .triggers.files import WatchConfig
     from .triggers.signals import SignalConfig

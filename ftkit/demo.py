@@ -11,6 +11,7 @@ and a SHA-256 of the final parameters, so runs can be compared bit for bit.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -82,10 +83,12 @@ def _data(seed: int, n: int = 4096, dim: int = 32) -> tuple[torch.Tensor, torch.
 
 
 def _params_digest(model: nn.Module) -> str:
+    """SHA-256 over the parameters' names and raw bytes (read through ctypes: no numpy needed)."""
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
+        t = p.detach().cpu().contiguous()
         h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        h.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
     return h.hexdigest()
 
 
@@ -140,6 +143,8 @@ def train(settings: DemoSettings, *, on_step: Callable[[StepInfo], None] | None 
             "completed": ft.completed,
             "stopping": ft.stopping,
             "last_step": max((int(k) for k in losses), default=0),
+            "saved_step": ft.last_saved_step,
+            "reasons": list(ft.final_decision.reasons) if ft.final_decision is not None else [],
             "params_sha256": _params_digest(inner),
             "losses": losses,
         }

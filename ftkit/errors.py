@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "EXIT_HANG",
     "EXIT_JOBDIR_BUSY",
     "CheckpointError",
     "ConfigError",
     "FtkitError",
+    "JobDirBusyError",
     "NoCheckpointError",
     "SlurmError",
 ]
@@ -50,3 +53,21 @@ class SlurmError(FtkitError):
     """A SLURM command failed or SLURM is not reachable."""
 
     exit_code = 5
+
+
+class JobDirBusyError(FtkitError, SystemExit):
+    """Another run holds the job dir's lease; this run touched nothing but the events log.
+
+    Also a ``SystemExit`` with ``code`` 86: uncaught, the process exits with 86 and no
+    traceback (the message was logged when it was raised); ``except FtkitError`` catches it.
+    """
+
+    exit_code = EXIT_JOBDIR_BUSY
+
+    def __init__(self, message: str, holder: Any = None) -> None:
+        super().__init__(message)
+        self.code = EXIT_JOBDIR_BUSY
+        self.holder = holder
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""

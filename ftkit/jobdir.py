@@ -7,6 +7,8 @@
       events.jsonl         the audit trail: one JSON object per line
       checkpoints/         one directory per step (see ftkit.checkpoint)
       runs.json            requeue bookkeeping (see ftkit.slurm.requeue)
+      lease.lock           fcntl-locked by rank 0 of the run that holds the job dir (see ftkit.lease)
+      lease.json           who holds (or last held) the lease, with its heartbeat
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ REQUESTS = "requests"
 EVENTS = "events.jsonl"
 CHECKPOINTS = "checkpoints"
 RUNS = "runs.json"
+LEASE = "lease.json"
+LEASE_LOCK = "lease.lock"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +62,14 @@ class JobDir:
     @property
     def runs(self) -> Path:
         return self.root / RUNS
+
+    @property
+    def lease(self) -> Path:
+        return self.root / LEASE
+
+    @property
+    def lease_lock(self) -> Path:
+        return self.root / LEASE_LOCK
 
     def ensure(self) -> JobDir:
         self.root.mkdir(parents=True, exist_ok=True)

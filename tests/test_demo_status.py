@@ -145,3 +145,33 @@ def test_status_json_with_valid_incomplete_and_corrupt_checkpoints(tmp_path: Pat
     assert [e["event"] for e in status["events"]][-1] == "exit"
     human = ftkit_cli("status", str(tmp_path)).stdout
     assert "resumes from step 20" in human and "incomplete" in human and "corrupt" in human
+
+
+def test_status_names_broken_request_files_and_a_fresh_start(tmp_path: Path) -> None:
+    with ftkit.FaultTolerance(tmp_path, state={"box": Box()}) as ft:
+        assert ft.resume() == 0  # nothing to resume from: a fresh start
+    requests = tmp_path / "requests"
+    requests.mkdir(exist_ok=True)
+    (requests / "1-cut.json").write_text('{"action": "sa')
+    (requests / "2-list.json").write_text("[1, 2]")
+    (requests / "3-unknown.json").write_text('{"action": "explode"}')
+    (requests / "4-empty.json").write_text("")
+    ftkit_cli("request", "save-exit", str(tmp_path), "--reason", "maintenance")
+
+    status = json.loads(ftkit_cli("status", "--json", str(tmp_path)).stdout)
+    by_name = {Path(r["path"]).name: r for r in status["requests"]}
+    assert by_name["1-cut.json"]["error"].startswith("not valid JSON")
+    assert by_name["2-list.json"]["error"] == "not a JSON object but list"
+    assert "unknown action 'explode'" in by_name["3-unknown.json"]["error"]
+    assert by_name["4-empty.json"]["error"].startswith("empty")
+    [good] = [r for name, r in by_name.items() if name.endswith("-save-exit.json")]
+    assert "error" not in good and good["action"] == "save-exit" and good["reason"] == "maintenance"
+
+    wide = subprocess.run([sys.executable, "-m", "ftkit", "status", str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, check=True, env={**os.environ, "COLUMNS": "250"})
+    human = " ".join(wide.stdout.split())
+    for name in ("1-cut.json", "2-list.json", "3-unknown.json", "4-empty.json"):
+        assert f"broken request file {name}: " in human
+    assert "request save-exit: maintenance" in human
+    assert "request: ?" not in human and "None" not in human
+    assert "fresh start: no valid checkpoint to resume from" in human

@@ -500,6 +500,8 @@ def errors_table(module: str) -> str:
     rows = ["| exception | subclass of | exit code | meaning |", "|---|---|---|---|"]
     for name in mod.__all__:
         cls = getattr(mod, name)
+        if not isinstance(cls, type):  # the exit-code constants beside the classes
+            continue
         parents = ", ".join(f"`{b.__name__}`" for b in cls.__bases__)
         rows.append(f"| `ftkit.{name}` | {parents} | {cls.exit_code} | {_first_paragraph(cls)} |")
     return "\n".join(rows)

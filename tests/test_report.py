@@ -222,12 +222,13 @@ def test_unplanned_interruptions_are_crashes_kills_and_hangs_not_time_limits() -
          ("requeue", {"cause": "time limit", "requeue": True})],
         [start, ("exit", {"step": 9, "error": "RuntimeError: boom"})],
         [start, ("progress", {"step": 12})],
-        [start, ("exit", {"step": 15}), ("requeue", {"cause": "hang", "requeue": True})],
+        [start, ("hang", {"step": 15}), ("requeue", {"cause": "crash", "requeue": True})],
         [start, ("exit", {"step": 20, "requeue": True, "reasons": ["SIGUSR1 received"]})],
         [start, ("exit", {"step": 30, "completed": True})],
     )
     runs = parse_runs(log)
-    assert [r.cause for r in runs] == ["time limit", "crash: RuntimeError: boom", "killed (no exit record)", "hang",
+    assert [r.cause for r in runs] == ["time limit", "crash: RuntimeError: boom", "killed (no exit record)",
+                                       "hang (watchdog)",
                                        "requeue: SIGUSR1 received", "completed"]
     assert [r.unplanned for r in runs] == [False, True, True, True, False, False]
     assert runs[2].end == runs[2].events[-1]["time"] and runs[2].last_step == 12

@@ -83,7 +83,7 @@ def test_handlers_chain_and_restore() -> None:
     old = signal.signal(signal.SIGUSR2, previous)
     try:
         box = RequestBox()
-        with SignalTrigger(SignalConfig(actions={"SIGUSR2": "save"}), box):
+        with SignalTrigger(SignalConfig(actions={"SIGUSR2": "save"}, chain=True), box):
             assert signal.getsignal(signal.SIGUSR2) is not previous
             os.kill(os.getpid(), signal.SIGUSR2)
         assert seen == [signal.SIGUSR2] and len(box.drain()) == 1
@@ -108,3 +108,166 @@ def test_uncatchable_signal_and_bad_action_are_refused() -> None:
         SignalConfig(actions={"KILL": "save"})
     with pytest.raises(ConfigError, match="unknown action 'explode'"):
         SignalConfig(actions={"USR1": "explode"})
+
+
+# -- what chaining keeps: a mapped signal is ftkit's ---------------------------------------
+
+def test_ctrl_c_handler_installed_before_is_not_called() -> None:
+    """Python's own SIGINT handler raises KeyboardInterrupt; ftkit never passes SIGINT on to it."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        box = RequestBox()
+        with SignalTrigger(SignalConfig(actions={"INT": "save-exit"}), box):
+            signal.raise_signal(signal.SIGINT)  # no KeyboardInterrupt here
+        [request] = box.drain()
+        assert (request.action, request.reason) == (Action.SAVE_EXIT, "SIGINT received")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored on close
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def test_a_raising_handler_installed_before_is_not_called_for_an_owned_signal() -> None:
+    """By default a mapped signal is ftkit's alone: a previous handler that would exit is not
+    called, the request is recorded and the handler is put back on close."""
+    seen: list[int] = []
+
+    def exits(signum, frame):
+        seen.append(signum)
+        raise SystemExit(9)
+
+    old = signal.signal(signal.SIGTERM, exits)
+    try:
+        box = RequestBox()
+        with SignalTrigger(SignalConfig(actions={"TERM": "save-exit"}), box):
+            signal.raise_signal(signal.SIGTERM)  # no SystemExit here
+        assert seen == [] and [r.reason for r in box.drain()] == ["SIGTERM received"]
+        assert signal.getsignal(signal.SIGTERM) is exits
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def test_a_raising_handler_chained_on_request_cannot_end_the_step() -> None:
+    """chain=True: a previous Python handler still sees its signal; what it raises is held back
+    and named in the request, so the step goes on to the save."""
+    seen: list[int] = []
+
+    def exits(signum, frame):
+        seen.append(signum)
+        raise SystemExit(9)
+
+    old = signal.signal(signal.SIGTERM, exits)
+    try:
+        box = RequestBox()
+        with SignalTrigger(SignalConfig(actions={"TERM": "save-exit"}, chain=True), box):
+            signal.raise_signal(signal.SIGTERM)
+        [request] = box.drain()
+        assert seen == [signal.SIGTERM]
+        assert request.reason.startswith("SIGTERM received (the handler installed before ftkit's raised "
+                                         "SystemExit: 9; held back")
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def test_chain_off_explicitly_the_handler_installed_before_is_not_called() -> None:
+    seen: list[int] = []
+
+    def raises(signum, frame):
+        seen.append(signum)
+        raise RuntimeError("must not run")
+
+    old = signal.signal(signal.SIGUSR2, raises)
+    try:
+        box = RequestBox()
+        with SignalTrigger(SignalConfig(actions={"USR2": "save"}, chain=False), box):
+            signal.raise_signal(signal.SIGUSR2)
+        assert seen == [] and [r.reason for r in box.drain()] == ["SIGUSR2 received"]
+        assert signal.getsignal(signal.SIGUSR2) is raises
+    finally:
+        signal.signal(signal.SIGUSR2, old)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_ctrl_c_twice_within_the_window_interrupts_at_once() -> None:
+    clock = FakeClock()
+    box = RequestBox()
+    with SignalTrigger(SignalConfig(actions={"INT": "save-exit"}), box, clock=clock):
+        signal.raise_signal(signal.SIGINT)
+        assert len(box.drain()) == 1  # the first asks for save-exit
+        clock.now += 1.5
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)  # the second, 1.5 s later: out now
+        assert box.drain() == []
+        clock.now += 10
+        signal.raise_signal(signal.SIGINT)  # long after: a request again
+        assert len(box.drain()) == 1
+    quiet = RequestBox()
+    with SignalTrigger(SignalConfig(actions={"INT": "save-exit"}, interrupt_window=None), quiet, clock=clock):
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # same instant: still only asks
+    assert len(quiet.drain()) == 2
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, "2"])
+def test_bad_interrupt_window_is_refused(bad) -> None:
+    with pytest.raises(ConfigError, match=r"signals\.interrupt_window: must be seconds > 0 or None"):
+        SignalConfig(interrupt_window=bad)
+
+
+LOOP_WITH_HANDLERS = '''
+import json, signal, sys, time
+from pathlib import Path
+import ftkit
+
+jobdir = Path(sys.argv[1])
+signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(9))  # a handler that exits
+signal.signal(signal.SIGINT, signal.default_int_handler)          # Python's: KeyboardInterrupt
+
+class Counter:
+    value = 0
+    def state_dict(self): return {"value": self.value}
+    def load_state_dict(self, sd): self.value = sd["value"]
+
+box = Counter()
+config = ftkit.Config(signals=ftkit.SignalConfig(actions={"TERM": "save-exit", "INT": "save-exit"}))
+with ftkit.FaultTolerance(jobdir, state={"box": box}, config=config) as ft:
+    for step in ft.range(100000):
+        if step == 1:
+            (jobdir / "ready").write_text("")
+        box.value = step
+        time.sleep(0.01)
+print(json.dumps({"completed": ft.completed, "saved": ft.last_saved_step}))
+'''
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_real_signal_with_a_raising_handler_installed_before_saves_and_exits_cleanly(
+        tmp_path: Path, sig: signal.Signals) -> None:
+    program = tmp_path / "loop.py"
+    program.write_text(LOOP_WITH_HANDLERS)
+    jobdir = tmp_path / "job"
+    proc = subprocess.Popen([sys.executable, str(program), str(jobdir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: (jobdir / "ready").exists() or proc.poll() is not None, 120, what="loop ready")
+        os.kill(proc.pid, sig)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0 and "Traceback" not in out, out
+    result = json.loads(out.strip().splitlines()[-1])
+    [save] = [e for e in read_events(jobdir / "events.jsonl") if e["event"] == "save"]
+    assert result == {"completed": False, "saved": save["step"]}
+    if sig == signal.SIGTERM:
+        assert save["reason"].startswith("SIGTERM received (the handler installed before ftkit's raised "
+                                         "SystemExit: 9; held back")
+    else:  # Python's Ctrl-C handler was not even called
+        assert save["reason"] == "SIGINT received"

@@ -361,8 +361,14 @@ class AsyncCheckpointer:
 
     # ------------------------------------------------------------------ delegated
     def load(self, state: Mapping[str, Any], step: int | None = None) -> int | None:
+        """``Checkpointer.load`` once every save is durable: any world size, strict (see there)."""
         self.wait()
         return self.checkpointer.load(state, step)
+
+    @property
+    def loaded(self) -> CheckpointInfo | None:
+        """The checkpoint the last ``load`` restored (its ``world_size`` is the saving run's)."""
+        return self.checkpointer.loaded
 
     def list(self) -> list[CheckpointInfo]:
         return self.checkpointer.list()

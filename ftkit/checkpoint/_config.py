@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..jobdir import CHECKPOINTS
 
 __all__ = ["RESUME_MODES", "CheckpointConfig", "CheckpointInfo"]
 
@@ -17,8 +19,10 @@ RESUME_MODES = ("auto", "required", "never")
 class CheckpointConfig:
     """How and where checkpoints are written, kept and resumed."""
 
-    root: Path
-    """The checkpoint root, normally ``JOBDIR/checkpoints``. Created on first save."""
+    root: Path = Path(CHECKPOINTS)
+    """Where checkpoints go (created on first save). A relative path is taken under the job
+    dir, so the default is ``JOBDIR/checkpoints``; a manager built without a job dir
+    (``make_manager``) takes it relative to the current directory."""
 
     keep_last: int | None = 3
     """Keep the newest N valid checkpoints; None keeps all of them."""
@@ -46,10 +50,21 @@ class CheckpointConfig:
     cache, logged once per filesystem); True: required, an error where refused; False: never
     (try it where a parallel filesystem handles direct writes worse than buffered ones)."""
 
+    strict: bool = True
+    """Resume refuses a checkpoint that lacks a key of the state (a module, an optimizer, any
+    object with ``state_dict()``, or a plain value): ``CheckpointError`` naming the key and
+    the checkpoint, before anything is restored. False: each missing key is left as it is,
+    with a warning and a ``missing-state`` event (see ``allow_missing`` for single keys)."""
+
+    allow_missing: tuple[str, ...] = ()
+    """Keys of the state that may be missing from the checkpoint even with ``strict``
+    (e.g. an object added to the training script since the checkpoint was written): left as
+    they are, with a warning and a ``missing-state`` event."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.root, (str, os.PathLike)):
             raise ConfigError(f"checkpoint.root: expected a path, got {self.root!r}")
-        self.root = Path(self.root).expanduser().absolute()
+        self.root = Path(self.root).expanduser()
         if self.keep_last is not None and (
             not isinstance(self.keep_last, int)
             or isinstance(self.keep_last, bool)
@@ -82,6 +97,22 @@ class CheckpointConfig:
             raise ConfigError(
                 f"checkpoint.manager: expected an import path like 'pkg.module:Class', got {self.manager!r}"
             )
+        if not isinstance(self.strict, bool):
+            raise ConfigError(f"checkpoint.strict: must be true or false, got {self.strict!r}")
+        allowed = self.allow_missing
+        if not isinstance(allowed, (list, tuple, set, frozenset)) or not all(
+            isinstance(k, str) for k in allowed
+        ):
+            raise ConfigError(
+                f"checkpoint.allow_missing: must be a list of state keys (strings), got {allowed!r}"
+            )
+        self.allow_missing = tuple(sorted(allowed)) if isinstance(allowed, (set, frozenset)) else tuple(allowed)
+
+    def under(self, jobdir: str | os.PathLike[str]) -> CheckpointConfig:
+        """This config with a relative ``root`` taken under ``jobdir`` (an absolute one stays)."""
+        if self.root.is_absolute():
+            return self
+        return dataclasses.replace(self, root=Path(jobdir).expanduser().absolute() / self.root)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -5,6 +5,13 @@ Modules and optimizers in the user's state go through the DCP ``state_dict`` hel
 and DTensor models save their shards; every other entry (scheduler, scaler, sampler,
 plain values, RNG) is per-rank state in ``rank-NNNNN.pt``.
 
+The helpers name tensors by their canonical names, without the ``module.`` of a DDP
+wrapper (or ``_orig_mod.`` of torch.compile), so a checkpoint loads whether or not the
+live model is wrapped, on any number of ranks: DCP reshards a ``dcp/`` checkpoint into the
+live layout, also in a single process without a process group (:func:`load_sharded`), and
+:func:`load_full` hands a one-process (``single``) checkpoint's full state dicts to every
+rank, where ``set_model_state_dict(full_state_dict=True)`` keeps each rank's shards.
+
 Checksums: DCP's public API gives no hook into the byte stream it writes, so each rank
 re-reads the ``__<rank>_*.distcp`` files it wrote (rank 0 also ``.metadata``) right after
 ``dcp.save`` returns and records their size and CRC-32. The read usually comes from the
@@ -15,6 +22,7 @@ bytes reached the disk intact; the fsync of DCP's writer (``sync_files=True``) c
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,9 +41,17 @@ from torch.distributed.checkpoint.state_dict import (
 from ..errors import CheckpointError
 from ._files import CHECKSUM, crc32_file, fsync_dir
 from ._layout import DCP_DIR
+from ._load import match_keys
 from ._state import clone_tensors
 
-__all__ = ["load_sharded", "save_sharded", "sharded_keys", "snapshot_sharded"]
+__all__ = [
+    "load_full",
+    "load_sharded",
+    "save_sharded",
+    "saved_keys",
+    "sharded_keys",
+    "snapshot_sharded",
+]
 
 
 def sharded_keys(state: Mapping[str, Any]) -> frozenset[str]:
@@ -109,16 +125,85 @@ def save_sharded(
     return files
 
 
+def saved_keys(directory: Path) -> set[str]:
+    """The state keys (``state[key]``) that ``directory/dcp`` holds, from its metadata."""
+    metadata = dcp.FileSystemReader(directory / DCP_DIR).read_metadata()
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    keys = set()
+    for fqn in metadata.state_dict_metadata:
+        path = paths.get(fqn)
+        keys.add(path[0] if isinstance(path, tuple) and path else fqn.split(".", 1)[0])
+    return keys
+
+
 def load_sharded(
-    state: Mapping[str, Any], keys: frozenset[str], directory: Path, *, pg=None
+    state: Mapping[str, Any], keys: frozenset[str], directory: Path, *, pg=None, no_dist: bool = False
 ) -> None:
-    """Collective: load ``keys`` of ``state`` in place from ``directory/dcp``."""
+    """Collective: load ``keys`` of ``state`` in place from ``directory/dcp``.
+
+    ``no_dist``: one process, no collectives (no process group needed); DCP reads every
+    tensor whole from however many shards the saving ranks wrote.
+    """
     options = StateDictOptions()
     target = _live_state_dicts(state, keys, options)
-    dcp.load(target, storage_reader=dcp.FileSystemReader(directory / DCP_DIR), process_group=pg)
+    with warnings.catch_warnings():  # no_dist is what we mean, not a fallback to warn about
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(
+            target,
+            storage_reader=dcp.FileSystemReader(directory / DCP_DIR),
+            process_group=pg,
+            no_dist=no_dist,
+        )
+    _set(state, keys, target, options)
+
+
+def _set(state: Mapping[str, Any], keys: frozenset[str], sds: dict[str, Any], options: StateDictOptions) -> None:
     for key in sorted(keys):
         value = state[key]
         if isinstance(value, torch.nn.Module):
-            set_model_state_dict(value, target[key], options=options)
+            set_model_state_dict(value, sds[key], options=options)
         else:
-            set_optimizer_state_dict(_owner(state, key, value), value, target[key], options=options)
+            set_optimizer_state_dict(_owner(state, key, value), value, sds[key], options=options)
+
+
+def _optimizer_by_name(
+    saved: Mapping[str, Any], live_groups: list[dict[str, Any]], where: str
+) -> dict[str, Any]:
+    """A ``torch.optim.Optimizer.state_dict()`` (parameters numbered) with the live optimizer's
+    parameter names instead of the numbers, paired by position in the param groups exactly as
+    ``Optimizer.load_state_dict`` pairs them."""
+    saved_groups = saved["param_groups"]
+    sizes = [len(g["params"]) for g in saved_groups]
+    live_sizes = [len(g["params"]) for g in live_groups]
+    if sizes != live_sizes:
+        raise CheckpointError(
+            f"{where}: the checkpoint's optimizer has param groups of {sizes} parameters, the live "
+            f"one {live_sizes}"
+        )
+    names = {
+        pid: name
+        for group, live in zip(saved_groups, live_groups, strict=True)
+        for pid, name in zip(group["params"], live["params"], strict=True)
+    }
+    return {
+        "state": {names[pid]: clone_tensors(dict(v)) for pid, v in saved["state"].items()},
+        "param_groups": [{**g, "params": [names[p] for p in g["params"]]} for g in saved_groups],
+    }
+
+
+def load_full(state: Mapping[str, Any], keys: frozenset[str], saved: Mapping[str, Any], where: str) -> None:
+    """Collective: load ``keys`` of ``state`` from full (unsharded) state dicts ``saved[key]``,
+    as a one-process checkpoint holds them; every rank passes the same ``saved``.
+
+    Module and optimizer tensors may be views of a memory-mapped file: modules copy them into
+    their parameters, and the optimizer's are cloned first (an optimizer keeps what it is given).
+    """
+    options = StateDictOptions(full_state_dict=True)
+    live = _live_state_dicts(state, keys, StateDictOptions())
+    sds: dict[str, Any] = {}
+    for key in sorted(keys):
+        if isinstance(state[key], torch.nn.Module):
+            sds[key] = match_keys(saved[key], list(live[key]), f"{where}: state[{key!r}]")
+        else:
+            sds[key] = _optimizer_by_name(saved[key], live[key]["param_groups"], f"{where}: state[{key!r}]")
+    _set(state, keys, sds, options)

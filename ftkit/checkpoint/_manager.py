@@ -32,11 +32,12 @@ from ._comm import Comm
 from ._config import CheckpointConfig, CheckpointInfo
 from ._files import atomic_write_bytes, fsync_dir
 from ._layout import DCP_DIR, LATEST, PIN, SENTINEL, list_step_dirs, rank_file, step_name
+from ._load import check_missing, describe_rule, is_dcp, match_keys
 from ._manifest import build_manifest, validate_dir, verify_files, write_manifest
 from ._pins import pin_checkpoint, unpin_checkpoint
 from ._retention import delete_checkpoint, plan_retention
 from ._single import WriteProgress, read_state_file, write_state_file
-from ._state import Snapshot, own_tensors, restore_rng, restore_state, take_snapshot
+from ._state import Snapshot, derive_rng, own_tensors, restore_rng, restore_state, take_snapshot
 
 __all__ = ["Checkpointer"]
 
@@ -73,6 +74,8 @@ class Checkpointer:
         self._failed: set[int] = set()
         self._looked = False
         self._closed = False
+        self.loaded: CheckpointInfo | None = None
+        """The checkpoint the last ``load`` restored (its ``world_size`` is the saving run's)."""
 
     @property
     def root(self) -> Path:
@@ -290,10 +293,12 @@ class Checkpointer:
             if not problem:
                 problem = self._try_load(state, path)
             if not problem:
-                restored = int(validate_dir(path).step)
+                self.loaded = validate_dir(path)
+                restored = int(self.loaded.step)
                 log.info("resumed from checkpoint %s", path)
-                self._emit("load", step=restored, path=str(path), find_seconds=round(found - began, 6),
-                           read_seconds=round(time.monotonic() - found, 6))
+                self._emit("load", step=restored, path=str(path),
+                           saved_world_size=self.loaded.world_size, world_size=self.world_size,
+                           find_seconds=round(found - began, 6), read_seconds=round(time.monotonic() - found, 6))
                 return restored
             skipped.append(f"{path.name}: {problem}")
             log.warning("skipping checkpoint %s: %s", path, problem)
@@ -321,45 +326,79 @@ class Checkpointer:
         return problems[0] if problems else ""
 
     def _try_load(self, state: Mapping[str, Any], path: Path) -> str:
+        """Load ``path`` into ``state`` on any number of ranks (``_load``'s world-size rule).
+
+        Returns a problem with the files (the checkpoint is skipped); a key of the state the
+        checkpoint lacks raises (``_load``'s strictness rule), before anything is restored.
+        """
         info = validate_dir(path)
+        saved_world = int(info.world_size or 1)
+        sharded = is_dcp(info.files)
         name = rank_file(self.rank)
-        if name not in info.files:
-            log.warning(
-                "%s has no %s (saved by %s ranks); using rank 0's state",
-                path,
-                name,
-                info.world_size,
-            )
+        own = name in info.files
+        if not own:
+            if self.rank < saved_world:
+                log.warning("%s has no %s although saved by %d ranks; using rank 0's", path, name, saved_world)
             name = rank_file(0)
         problem = ""
         payload: dict[str, Any] = {}
+        available: set[str] = set()
         try:
             verify = self.config.verify_on_load and not self.comm.distributed
+            if verify and sharded:  # one process reads every dcp/ file: check them first
+                dcp_files = [f for f in sorted(info.files) if f.startswith(f"{DCP_DIR}/")]
+                problem = verify_files(path, info.files, dcp_files)
+                if problem:
+                    raise CheckpointError(problem)
             payload = read_state_file(path, name, info.files[name], verify=verify, mmap=True)
-        except (CheckpointError, KeyError) as exc:
+            available = set(payload["state"])
+            if sharded:
+                from ._dcp import saved_keys
+
+                available |= saved_keys(path)
+        except (CheckpointError, KeyError, OSError, ValueError) as exc:
             problem = str(exc)
         problems = [p for p in self.comm.gather(problem) if p]
         if problems:
             return problems[0]
-        rest: Mapping[str, Any] = state
-        if self.comm.distributed:
-            from ._dcp import load_sharded, sharded_keys
+        if self.rank == 0 and saved_world != self.world_size:
+            log.warning("%s", describe_rule(path, saved_world, self.world_size))
+        allowed = check_missing(state, available, self.config, path, self._emit, info.step)
+        import torch
 
-            keys = sharded_keys(state)
+        live = {k: v for k, v in state.items() if k not in allowed}
+        rest: dict[str, Any] = live
+        saved = payload["state"]
+        if sharded or self.comm.distributed:
+            from ._dcp import load_full, load_sharded, sharded_keys
+
+            keys = sharded_keys(live)
             try:
-                load_sharded(state, keys, path, pg=self.comm.pg)
+                if sharded:
+                    load_sharded(live, keys, path, pg=self.comm.pg, no_dist=not self.comm.distributed)
+                else:  # a one-process checkpoint: every rank reads the full state dicts
+                    load_full(live, keys, payload["state"], str(path))
+            except CheckpointError:
+                raise
             except Exception as exc:
-                raise CheckpointError(
-                    f"could not load sharded state from {path / DCP_DIR}: {exc}"
-                ) from exc
-            rest = {k: v for k, v in state.items() if k not in keys}  # the rest is in rank-R.pt
+                where = path / DCP_DIR if sharded else path / name
+                raise CheckpointError(f"could not load modules and optimizers from {where}: {exc}") from exc
+            rest = {k: v for k, v in live.items() if k not in keys}  # the rest is per-rank state
+            saved = {k: v for k, v in saved.items() if k not in keys}
+        else:
+            for key, value in live.items():  # a model saved inside DDP loads without it, and back
+                if isinstance(value, torch.nn.Module) and key in saved:
+                    saved[key] = match_keys(saved[key], list(value.state_dict()), f"{path}: state[{key!r}]")
         # the payload's tensors are views of the mapped file: what a live object keeps is copied
-        restore_state(rest, own_tensors(rest, payload["state"]))
-        if rest is not state and isinstance(state, MutableMapping):
-            for key, value in rest.items():  # plain values restored by replacement
-                if state[key] is not value:
-                    state[key] = value
-        restore_rng(payload["rng"])
+        restore_state(rest, own_tensors(rest, saved))
+        for key, value in rest.items():  # plain values restored by replacement
+            if state[key] is value:
+                continue
+            if isinstance(state, MutableMapping):
+                state[key] = value
+            else:
+                log.warning("state[%r] is a plain value in a read-only mapping; restored value dropped", key)
+        restore_rng(payload["rng"] if own else derive_rng(payload["rng"], self.rank))
         return ""
 
     # ------------------------------------------------------------------ listing, retention

@@ -20,6 +20,7 @@ than copy from, memory of its own: nothing live stays backed by the checkpoint f
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import sys
@@ -37,6 +38,7 @@ __all__ = [
     "capture_rng",
     "clone_tensors",
     "copy_to_cpu",
+    "derive_rng",
     "own_tensors",
     "restore_rng",
     "restore_state",
@@ -145,6 +147,45 @@ def restore_rng(rng: Mapping[str, Any]) -> None:
                 len(cuda),
                 torch.cuda.device_count(),
             )
+
+
+def derive_rng(rng: Mapping[str, Any], rank: int) -> dict[str, Any]:
+    """RNG states for ``rank`` where the checkpoint has none (saved by fewer ranks).
+
+    A deterministic function of ``rng`` (rank 0's saved states) and ``rank``: the same
+    checkpoint resumed on the same number of ranks gives every extra rank the same streams
+    again, and no two ranks share one (each generator is seeded from a SHA-256 of rank 0's
+    torch and Python states and the rank). Holds the same generators as ``rng``.
+    """
+    digest = hashlib.sha256(f"ftkit rank {rank}".encode())
+    if "torch" in rng:
+        digest.update(rng["torch"].numpy().tobytes())
+    if rng.get("python"):
+        digest.update(repr(rng["python"]["state"]).encode())
+    seed = int.from_bytes(digest.digest()[:8], "little") >> 1  # < 2**63: any generator takes it
+    out: dict[str, Any] = {}
+    if rng.get("python"):
+        version, internal, gauss = random.Random(seed).getstate()
+        out["python"] = {"version": version, "state": list(internal), "gauss": gauss}
+    if "torch" in rng:
+        out["torch"] = torch.Generator().manual_seed(seed).get_state()
+    if "numpy" in rng:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.RandomState(seed % 2**32).get_state(legacy=True)
+        out["numpy"] = {
+            "kind": str(kind),
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        }
+    if rng.get("cuda") and torch.cuda.is_available():
+        out["cuda"] = [
+            torch.Generator(device=f"cuda:{i}").manual_seed((seed + i + 1) % 2**63).get_state()
+            for i in range(torch.cuda.device_count())
+        ]
+    return out
 
 
 @dataclass(slots=True)

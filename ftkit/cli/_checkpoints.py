@@ -44,7 +44,7 @@ def _root(path: Path) -> tuple[Path, Path | None]:
     if job.checkpoints.is_dir():
         return job.checkpoints, job.root
     if not job.root.is_dir():
-        raise CheckpointError(f"{path} is not a directory")
+        raise CheckpointError(f"{path}: no such directory; pass the job dir (or its checkpoints/ directory)")
     return job.root, None
 
 
@@ -67,13 +67,16 @@ def _age(t: float | None, now: float) -> str:
 
 
 def _table(infos, title: str) -> None:
+    """``title`` on a line of its own (a table title wraps to the table's width), then one row
+    per checkpoint; ``why`` is what is wrong with it, or for a valid one why it was saved."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     now = time.time()
     colour = {"valid": "green", "incomplete": "yellow", "corrupt": "red"}
-    table = Table(title=title)
-    for col in ("step", "age", "size", "status", "pinned", "reason"):
+    table = Table()
+    for col in ("step", "age", "size", "status", "pinned", "why"):
         table.add_column(col, justify="right" if col in ("step", "size") else "left")
     for i in infos:
         table.add_row(
@@ -82,9 +85,11 @@ def _table(infos, title: str) -> None:
             _human(i.size) if i.size else "-",
             f"[{colour.get(i.status, 'white')}]{i.status}[/]",
             "yes" if i.pinned else "",
-            i.reason,
+            escape(i.reason or i.saved_for or ""),
         )
-    Console().print(table)
+    console = Console()
+    console.print(title, highlight=False)
+    console.print(table)
 
 
 def _dump(infos) -> None:
@@ -104,10 +109,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from ..checkpoint import validate_dir
     from ..checkpoint._layout import list_step_dirs
 
-    root, _ = _root(args.jobdir)
+    root, job = _root(args.jobdir)
     infos = [validate_dir(p) for _, p in list_step_dirs(root)]
     if args.json:
         _dump(infos)
+    elif not infos:
+        from rich.console import Console
+
+        where = root if job is not None else Path(root) / "checkpoints"
+        Console().print(f"no checkpoints in {where} yet", highlight=False)
     else:
         _table(infos, f"checkpoints in {root}")
     return 0
@@ -146,13 +156,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         _table(infos, f"verified {where} (sizes and crc32 checksums)")
     bad = [i for i in infos if not i.valid]
-    if bad:
-        from rich.console import Console
+    from rich.console import Console
 
+    if bad:
         Console(stderr=True).print(
             f"[bold red]{len(bad)} of {len(infos)} checkpoint(s) not valid[/]", highlight=False
         )
         return CheckpointError.exit_code
+    if not args.json:
+        Console().print(f"[green]all {len(infos)} checkpoint(s) valid[/]", highlight=False)
     return 0
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +28,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_demo)
 
 
-def _instructions(jobdir: Path) -> str:
-    j = str(jobdir)
-    return (
-        "[bold]Poke it from another terminal:[/]\n"
-        f"  ftkit save {j}        save now and keep training (the save-switch is removed once durable)\n"
-        f"  ftkit kill {j}        save and stop for good; `ftkit kill --clear {j}` to allow runs again\n"
-        f"  Ctrl-C or kill -TERM <pid>   save and exit (what preemption does)\n"
-        f"  ftkit status {j}      what ftkit sees; `ftkit ls {j}` lists checkpoints\n"
-        "Run the same command again and it resumes exactly where it stopped."
-    )
+def _instructions(jobdir: Path, pid: int) -> Any:
+    """What a person can do to the running demo, as two aligned columns."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    j = escape(str(jobdir))
+    t = Table.grid(padding=(0, 3))
+    for command, what in (
+        (f"ftkit save {j}", "save now and keep training (the save-switch goes once the checkpoint is durable)"),
+        (f"ftkit kill {j}", f"save and stop for good; `ftkit kill --clear {j}` lets it run again"),
+        (f"Ctrl-C, or kill -TERM {pid}", "save and exit (what preemption does); Ctrl-C twice: stop at once, unsaved"),
+        (f"ftkit status {j}", f"what ftkit sees; `ftkit ls {j}` lists the checkpoints"),
+    ):
+        t.add_row(f"  [cyan]{command}[/]", what)
+    return t
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -52,37 +59,101 @@ def _demo(args: argparse.Namespace) -> int:
     settings = DemoSettings(jobdir=args.jobdir, steps=args.steps, step_time=args.step_time,
                             save_every=args.save_every or None, seed=args.seed, poll=args.poll,
                             async_save=args.async_save)
-    console.print(f"[bold]ftkit demo[/] pid {os.getpid()}, job dir {args.jobdir.absolute()}")
-    console.print(_instructions(args.jobdir))
-    started = time.monotonic()
-    first: list[int] = []
+    console.print(f"[bold]ftkit demo[/]: {args.steps} steps of a small MLP on the CPU, pid {os.getpid()}, "
+                  f"job dir {args.jobdir.absolute()}", highlight=False)
+    console.print("[bold]Poke it from another terminal:[/]")
+    console.print(_instructions(args.jobdir, os.getpid()), highlight=False)
+    console.print("Run the same command again and it resumes exactly where it stopped.")
+    first: list[int] = []  # the step this run starts from
+    began: list[float] = []  # when it did: the rate leaves out imports and loading
 
-    if args.no_live:
-        def on_step(info: StepInfo) -> None:
-            if not first:
-                first.append(info.step - 1)
-            if info.step % 100 == 0:
-                console.print(_line(info, started, first[0]), highlight=False)
-        result = train(settings, on_step=on_step)
-    else:
-        from rich.live import Live
+    def starting(info: StepInfo) -> None:
+        first.append(info.step - 1)
+        began.append(time.monotonic())
+        console.print(f"resuming from the checkpoint of step {first[0]}" if first[0]
+                      else "no checkpoint yet: starting from step 0", highlight=False)
 
-        with Live(console=console, refresh_per_second=8, transient=False) as live:
+    try:
+        if args.no_live:
             def on_step(info: StepInfo) -> None:
                 if not first:
-                    first.append(info.step - 1)
-                if info.step % 5 == 0:
-                    live.update(_panel(info, started, first[0], args.steps))
+                    starting(info)
+                if info.step % 100 == 0:
+                    console.print(_line(info, began[0], first[0]), highlight=False)
             result = train(settings, on_step=on_step)
-    if result["completed"]:
-        console.print(f"[green]finished[/] {result['last_step']} steps; params sha256 {result['params_sha256'][:16]}")
-    elif result["stopping"] and (args.jobdir / "kill-switch").exists() and result["last_step"] == 0:
-        console.print(f"[yellow]stopped[/]: the kill-switch is present, so this run trained nothing; "
-                      f"`ftkit kill --clear {args.jobdir}` lets the job run again")
-    elif result["stopping"]:
-        console.print(f"[yellow]stopped[/] at step {result['last_step']} as asked; run again to resume"
-                      + (" after `ftkit kill --clear`" if (args.jobdir / "kill-switch").exists() else ""))
+        else:
+            from rich.live import Live
+
+            with Live(console=console, refresh_per_second=8, transient=False) as live, _logs_above(console):
+                last: list[StepInfo] = []
+
+                def on_step(info: StepInfo) -> None:
+                    if not first:
+                        starting(info)
+                    last[:] = [info]
+                    if info.step % 5 == 0:
+                        live.update(_panel(info, began[0], first[0], args.steps))
+                result = train(settings, on_step=on_step)
+                if last:  # the last step and the checkpoint saved on the way out
+                    live.update(_panel(last[0], began[0], first[0], args.steps))
+    except KeyboardInterrupt:
+        console.print(f"interrupted (Ctrl-C twice, or before training started): nothing more was saved; "
+                      f"the same command resumes from the newest valid checkpoint (`ftkit ls {args.jobdir}`)",
+                      style="red", markup=False, highlight=False)
+        raise
+    console.print(_ending(result, args.jobdir, trained=bool(first)), highlight=False)
     return 0
+
+
+@contextlib.contextmanager
+def _logs_above(console: Any) -> Iterator[None]:
+    """Log records go through ``console`` while the live display runs, so they print above it.
+
+    A line written straight to the terminal lands inside the display; its next redraw then
+    starts that many lines too low and leaves stale lines on screen.
+    """
+    import logging
+
+    class Above(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            # the level shows as a colour: ftkit logs its decisions as warnings so that they
+            # reach a job's log, which on this screen would read as something gone wrong
+            style = "red" if record.levelno >= logging.ERROR else "yellow" if record.levelno >= logging.WARNING else ""
+            try:
+                console.print(self.format(record), style=style, markup=False, highlight=False)
+            except Exception:  # logging must never break the run
+                self.handleError(record)
+
+    root = logging.getLogger()
+    handler = Above()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    before = root.handlers[:]
+    root.handlers = [handler]
+    try:
+        yield
+    finally:
+        root.handlers = before
+
+
+def _ending(result: dict[str, Any], jobdir: Path, *, trained: bool) -> str:
+    """The last line: how the run ended, what is on disk, what to do next."""
+    from rich.markup import escape
+
+    j = escape(str(jobdir))
+    if result["completed"]:
+        done = f"[green]finished[/] {result['last_step']} steps; params sha256 {result['params_sha256'][:16]}"
+        return done if trained else done + f" (it had finished before: nothing left to train; `rm -r {j}` starts over)"
+    killed = (jobdir / "kill-switch").exists()
+    if result["stopping"] and killed and result["last_step"] == 0:
+        return (f"[yellow]stopped[/]: the kill-switch is present, so this run trained nothing; "
+                f"`ftkit kill --clear {j}` lets the job run again")
+    why = escape("; ".join(result.get("reasons") or [])) or "as asked"
+    saved = result.get("saved_step")
+    where = (f"the checkpoint of step {saved} is in {j}/checkpoints" if saved is not None
+             else "nothing was saved")
+    again = f"`ftkit kill --clear {j}`, then run the same command to resume" if killed else \
+        "run the same command again to resume"
+    return f"[yellow]stopped[/] at step {result['last_step']} ({why}); {where}; {again}"
 
 
 def _line(info: Any, started: float, first: int) -> str:

@@ -47,23 +47,49 @@ def _slurm(job_id: str | None) -> dict[str, Any] | None:
     }
 
 
+def _request(path: Path) -> dict[str, Any]:
+    """One request file; ``error`` says why the job ignores it when it is broken (the job's
+    watcher takes a JSON object with a known ``action`` string and skips anything else)."""
+    from ..decision import parse_action
+
+    entry: dict[str, Any] = {"path": str(path)}
+    try:
+        raw = path.read_bytes()
+        if not raw:
+            raise ValueError("empty (still being written, or not written by `ftkit request`)")
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"not a JSON object but {type(data).__name__}")
+        action = data.get("action")
+        if not isinstance(action, str):
+            raise ValueError("no 'action' string in it")
+        parse_action(action, setting="request")  # ConfigError (a ValueError) names the valid ones
+    except OSError as exc:
+        entry["error"] = f"cannot be read: {exc.strerror or exc}"
+    except ValueError as exc:
+        entry["error"] = str(exc)
+    else:
+        entry.update({k: v for k, v in data.items() if k not in entry})
+    return entry
+
+
 def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
     """Everything ``ftkit status`` shows, as plain data (also its ``--json`` output)."""
     from ..checkpoint import validate_dir
     from ..checkpoint._layout import list_step_dirs
+    from ..control.hangs import culprit
     from ..events import read_events
     from ..jobdir import JobDir
+    from ..lease import lease_status
 
     if not Path(jobdir).is_dir():
         raise ConfigError(f"job dir {jobdir} does not exist; pass the directory the job was started with")
     job = JobDir.of(jobdir)
     now = time.time()
-    requests = []
-    for path in sorted(job.requests.glob("*.json")) if job.requests.is_dir() else []:
-        try:
-            requests.append({"path": str(path), **json.loads(path.read_text())})
-        except (OSError, json.JSONDecodeError) as exc:
-            requests.append({"path": str(path), "error": str(exc)})
+    requests = [_request(path) for path in sorted(job.requests.glob("*.json"))] if job.requests.is_dir() else []
     log = list(read_events(job.events))
     starts = [e for e in log if e.get("event") == "start"]
     last_start = starts[-1] if starts else None
@@ -99,6 +125,8 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
         "time": now,
         "running": running,
         "slurm": slurm,
+        "lease": lease_status(job.root, now=now),
+        "hang": culprit(log),
         "save_switch": job.save_switch.is_file(),
         "kill_switch": job.kill_switch.is_file(),
         "requests": requests,
@@ -112,22 +140,16 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
     }
 
 
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f} {unit}"
-    return f"{seconds:.0f} s"
-
-
 def _status(args: argparse.Namespace) -> int:
     status = collect_status(args.jobdir, events=args.events)
     if args.json:
         print(json.dumps(status, indent=2, default=str))
         return 0
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+
+    from ._checkpoints import _age, _human
 
     console = Console(soft_wrap=True)
     console.print(f"[bold]{status['jobdir']}[/]  {'running' if status['running'] else 'not running'}")
@@ -136,26 +158,93 @@ def _status(args: argparse.Namespace) -> int:
         left = "" if s.get("time_left") is None else f", {s['time_left']:.0f} s left"
         console.print(f"SLURM job {s['job_id']}: {s.get('state') or s.get('error')}"
                       f"{'' if not s.get('reason') or s['reason'] == 'None' else ' (' + s['reason'] + ')'}{left}")
+    if status["lease"]:
+        lease = status["lease"]
+        colour = {"held": "", "stale": "yellow", "released": "dim"}.get(lease["state"], "")
+        text = escape(f"lease: {lease['description']}")
+        console.print(f"[{colour}]{text}[/]" if colour else text, highlight=False)
     pending = []
     if status["save_switch"]:
         pending.append("save-switch (save at the next step)")
     if status["kill_switch"]:
         pending.append("[red]kill-switch[/] (save and stop; later runs exit at once; `ftkit kill --clear`)")
-    pending += [f"request: {r.get('action', '?')} {r.get('reason', '')}" for r in status["requests"]]
-    console.print("pending: " + (", ".join(pending) if pending else "nothing"))
+    for r in status["requests"]:
+        name = escape(Path(r["path"]).name)
+        if "error" in r:
+            pending.append(f"[red]broken request file[/] {name}: {escape(r['error'])}; the job ignores "
+                           f"it: delete it, or write requests with `ftkit request`")
+        else:
+            pending.append(f"request {escape(r['action'])}" + (f": {escape(str(r['reason']))}" if r.get("reason") else "")
+                           + f" ({name})")
+    if len(pending) > 1:
+        console.print("pending:\n" + "\n".join(f"  {p}" for p in pending))
+    else:
+        console.print("pending: " + (pending[0] if pending else "nothing"))
     console.print(f"[bold]{status['verdict']}[/]")
+    if status["hang"]:
+        from ..control.hangs import describe
+
+        console.print(f"[bold red]{escape(describe(status['hang']))}[/]", highlight=False)
     if status["checkpoints"]:
         table = Table("step", "age", "size", "status", "pinned", "why", title="checkpoints")
         for c in status["checkpoints"]:
             colour = {"valid": "green", "incomplete": "yellow"}.get(c["status"], "red")
-            table.add_row(str(c["step"]), _age(c["age"]), f"{(c['size'] or 0) / 1e6:.1f} MB",
+            table.add_row(str(c["step"]), _age(c["time"], status["time"]), _human(c["size"]) if c["size"] else "-",
                           f"[{colour}]{c['status']}[/]", "yes" if c["pinned"] else "",
-                          c["reason"] or c["saved_for"] or "")
+                          escape(c["reason"] or c["saved_for"] or ""))
         console.print(table)
+    if not status["events"]:
+        console.print(f"no events yet: no ftkit job has started with this job dir ({escape(str(status['jobdir']))}"
+                      "/events.jsonl is written when one does)", highlight=False)
+        return 0
     table = Table("time", "event", "rank", "step", "details", title="recent events")
     for e in status["events"]:
-        details = e.get("reason") or e.get("reasons") or e.get("action") or ""
+        step = e.get("step")
         table.add_row(time.strftime("%H:%M:%S", time.localtime(e["time"])), e["event"],
-                      str(e.get("rank", "")), str(e.get("step", "")), str(details))
+                      str(e.get("rank", "")), "" if not isinstance(step, int) or step < 0 else str(step),
+                      _details(e))
     console.print(table)
     return 0
+
+
+def _details(e: dict[str, Any]) -> str:
+    """The events table's last column: what the event means, in words (rich markup)."""
+    from rich.markup import escape
+
+    kind = e.get("event")
+    if kind == "resume":
+        return ("fresh start: no valid checkpoint to resume from" if e.get("step") is None
+                else f"resumed from the checkpoint of step {e['step']}")
+    if kind == "exit":
+        if e.get("error"):
+            return f"[red]crashed[/]: {escape(str(e['error']).rstrip(': '))}"
+        if e.get("completed"):
+            return "training completed"
+        reasons = "; ".join(map(str, e.get("reasons") or []))
+        wish = _wish(e.get("requeue"))
+        return escape(f"stopped: {reasons}{wish}" if reasons else f"stopped{wish}")
+    if kind == "start":
+        parts = [f"world size {e['world_size']}"] if e.get("world_size") else []
+        if e.get("job_id"):
+            parts.append(f"SLURM job {e['job_id']}, restart {e.get('restart_count', 0)}")
+        if e.get("kill_switch"):
+            parts.append("kill-switch present: exits at the first check")
+        return escape(", ".join(parts))
+    reasons = "; ".join(map(str, e.get("reasons") or [])) if isinstance(e.get("reasons"), list) else ""
+    if kind == "decision":
+        what = _ACTIONS.get(str(e.get("action")), str(e.get("action", "")).lower())
+        wish = _wish(e.get("requeue"))
+        return escape(f"{what}{wish}: {reasons}" if reasons else f"{what}{wish}")
+    if kind == "save":
+        took = f" in {float(e['seconds']):.2f} s" if isinstance(e.get("seconds"), (int, float)) else ""
+        return escape(f"saved{took}: {e.get('reason') or ''}".rstrip(": "))
+    if kind == "load" and e.get("path"):
+        return escape(f"loaded {Path(str(e['path'])).name}")
+    return escape(reasons or str(e.get("reason") or e.get("action") or ""))
+
+
+def _wish(requeue: Any) -> str:
+    return ", asks for a requeue" if requeue is True else ", no requeue" if requeue is False else ""
+
+
+_ACTIONS = {"SAVE": "save", "SAVE_EXIT": "save and exit", "EXIT": "exit without saving"}

@@ -13,12 +13,14 @@ from ..decision import Action, Decision, Request, RequestBox, Source
 from ..errors import CheckpointError, ConfigError
 from ..events import EventLog
 from ..jobdir import JobDir
+from ..lease import Lease, LeaseConfig, take_lease
 from ..triggers.budget import BudgetConfig, TimeBudget
 from ..triggers.files import SwitchWatcher, WatchConfig
 from ..triggers.signals import SignalConfig, SignalTrigger
 from .agreement import WIDTH, AgreementConfig, Collective, decode_flags, encode
 from .interval import AutoInterval, IntervalConfig
 from .runclock import RunClock, TimingConfig
+from .watchdog import Watchdog, WatchdogConfig
 
 __all__ = ["Config", "FaultTolerance"]
 
@@ -47,6 +49,9 @@ class Config:
     """A ``ftkit.checkpoint.AsyncConfig`` to save in the background (the loop stalls only for
     the in-memory snapshot); None: synchronous saves."""
 
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """The hang watchdog: a rank that completes no step in time dumps its stacks and exits 87."""
+
     save_every: int | str | None = None
     """Also save every this many steps (periodic checkpoints); ``"auto"``: at the interval
     ``interval`` derives from the measured checkpoint cost and the MTBF (Young/Daly, see
@@ -60,6 +65,9 @@ class Config:
 
     save_at_end: bool = True
     """Save a checkpoint when ``range()`` reaches the last step."""
+
+    lease: LeaseConfig = field(default_factory=LeaseConfig)
+    """One run per job dir: rank 0 holds ``JOBDIR/lease.lock``; a second run exits with code 86."""
 
     def __post_init__(self) -> None:
         if self.save_every is not None and self.save_every != "auto" and (
@@ -109,6 +117,8 @@ class FaultTolerance:
         self._signals = SignalTrigger(self.config.signals, self.box, clock=clock)
         self._watcher = SwitchWatcher(self.job, self.box, self.config.watch)
         self.budget = TimeBudget(self.config.budget, clock=wallclock)
+        self.watchdog = Watchdog(self.config.watchdog, job_root=self.job.root, events=self.events, rank=self.rank,
+                                 world_size=self.world_size, clock=clock, wallclock=wallclock)
         self._collective: Collective | None = None
         self._every = self.config.agreement.every
         self._pending: list[Request] = []
@@ -125,17 +135,33 @@ class FaultTolerance:
         self._to_consume: list[Decision] = []  # decisions whose files go once their save is durable
         self._started = False
         self._crash: str | None = None
+        self._lease: Lease | None = None
         self.completed = False
 
     # -- life cycle -------------------------------------------------------------------------
 
     def start(self) -> FaultTolerance:
-        """Install signal handlers, start watching the job dir, resolve the time budget and
-        write the ``start`` event. Idempotent; ``range``, ``resume`` and ``with`` call it."""
+        """Take the job dir's lease, install signal handlers, start watching the job dir,
+        resolve the time budget and write the ``start`` event. Idempotent; ``range``,
+        ``resume`` and ``with`` call it.
+
+        Raises :class:`ftkit.lease.JobDirBusyError` (a ``SystemExit`` with code 86) on every
+        rank when another run holds the lease; nothing was started then, and only the
+        ``lease-refused`` event was written."""
         if self._started:
             return self
+        self.runclock.started()  # ftkit's set-up (the lease, the agreement) starts here
+        from ..slurm.env import SlurmEnv
+
+        slurm = SlurmEnv.from_env()
+        if self.world_size > 1:
+            self._collective = Collective(self.config.agreement, self._group)
+        self._lease = take_lease(
+            self.job, self.config.lease, events=self.events, rank=self.rank, world_size=self.world_size,
+            group=self._group, device=self.config.agreement.device, job_id=slurm.job_id,
+            restart_count=slurm.restart_count,
+            on_lost=lambda why: self.box.post(Request(Action.EXIT, Source.API, why, requeue=False)))
         self._started = True
-        self.runclock.started()
         if self.job.kill_switch.is_file() and not self.job.kill_switch.is_symlink():
             self._no_save_at_start = True
             log.warning("kill-switch %s exists: this run saves nothing and exits at its first check",
@@ -149,11 +175,7 @@ class FaultTolerance:
                 "time budget: only %.0f s left at start, less than save %.0f s + margin %.0f s; the "
                 "job will stop after its first step. Ask for more time or lower budget.margin / "
                 "budget.save_estimate", left, self.budget.save_estimate, self.budget.config.margin)
-        if self.world_size > 1:
-            self._collective = Collective(self.config.agreement, self._group)
-        from ..slurm.env import SlurmEnv
-
-        slurm = SlurmEnv.from_env()
+        self.watchdog.start()
         if self.config.save_every == "auto":
             self._auto = self._auto_interval()
         self.events.emit(
@@ -170,10 +192,11 @@ class FaultTolerance:
 
     def close(self) -> None:
         """Wait until pending checkpoints are durable, stop watchers, restore signal handlers,
-        remove spent request files and write the ``exit`` event."""
+        remove spent request files, write the ``exit`` event and release the job dir's lease."""
         if not self._started:
             return
         self._started = False
+        self.watchdog.begin_save("close(): waiting for checkpoints")
         try:
             if self._checkpoints is not None:
                 try:
@@ -186,6 +209,7 @@ class FaultTolerance:
                     self._checkpoints = None
                     self._background = False
         finally:
+            self.watchdog.stop()
             self._watcher.close()
             self._signals.close()
             if self.box.pending:
@@ -201,6 +225,9 @@ class FaultTolerance:
                 error=self._crash,
                 **self.runclock.exit_fields(),
             )
+            if self._lease is not None:  # last: the next run may start once everything is written
+                self._lease.release()
+                self._lease = None
 
     def __enter__(self) -> FaultTolerance:
         return self.start()
@@ -247,6 +274,7 @@ class FaultTolerance:
         clk.last = now
         if now >= clk.due:
             clk.tick(step, now)
+        self.watchdog.last = (step, now)  # the watchdog's whole hot-path cost
         if self._final is not None:
             if self.box.pending:  # log what arrives after the exit was decided; it changes nothing
                 self._take(self.box.drain(), step)
@@ -348,8 +376,15 @@ class FaultTolerance:
 
         Stops early when an exit is decided; ``completed`` is True only if ``total`` was reached.
         """
+        try:
+            yield from self._range(total, start)
+        finally:
+            self.watchdog.disarm()  # what runs after the loop is not a step
+
+    def _range(self, total: int, start: int | None) -> Iterator[int]:
         self.start()
         first = self.resume() if start is None else start
+        self.watchdog.arm(first)
         # One check before the first step: a kill-switch present at start, or a signal that
         # came during start-up, ends the run before it trains anything.
         decision = self.check(first)
@@ -375,7 +410,7 @@ class FaultTolerance:
         if self._checkpoints is None:
             from ..checkpoint import CheckpointConfig, make_manager
 
-            cfg = self.config.checkpoint or CheckpointConfig(root=self.job.checkpoints)
+            cfg = (self.config.checkpoint or CheckpointConfig()).under(self.job.root)
             if self.config.async_save is not None:
                 from ..checkpoint import AsyncCheckpointer
 
@@ -401,10 +436,14 @@ class FaultTolerance:
             return 0
         began = self._clock()
         manager = self.checkpoints
-        loaded = self._clock()
+        loaded_at = self._clock()
         step = manager.load(self._require_state())
-        self.events.emit("resume", step=step, **self.runclock.resumed(
-            step, load_seconds=self._clock() - loaded, manager_seconds=loaded - began))
+        timing = self.runclock.resumed(step, load_seconds=self._clock() - loaded_at,
+                                       manager_seconds=loaded_at - began)
+        # the run that saved it may have had another number of ranks (custom managers: unknown)
+        loaded = getattr(manager, "loaded", None) if step is not None else None
+        saved_world = getattr(loaded, "world_size", None)
+        self.events.emit("resume", step=step, world_size=self.world_size, saved_world_size=saved_world, **timing)
         self._last_saved_step = step
         return 0 if step is None else int(step)
 
@@ -417,11 +456,13 @@ class FaultTolerance:
         why = reason or ("; ".join(decision.reasons) if decision else f"periodic (every {self.config.save_every} steps)")
         pin = bool(decision and decision.pin)
         began = self._clock()
+        self.watchdog.begin_save()
         try:
             info = self.checkpoints.save(step, self._require_state(), pin=pin, reason=why)
             if self._background and decision is not None and decision.exit:
                 self.checkpoints.wait()  # leave only once the checkpoint is durable
         except CheckpointError as exc:
+            self.watchdog.end_save()
             self.events.emit("save-failed", step=step, reason=why, error=str(exc))
             if decision is not None and decision.exit:
                 raise
@@ -486,6 +527,7 @@ class FaultTolerance:
         ended = self._clock()
         self._last_save_end = ended
         self._last_check = ended  # a save is not part of the next step's time
+        self.watchdog.end_save(ended)
         self._last_saved_step = step
         self.budget.record_save(seconds)
         if decision is None:

@@ -82,10 +82,12 @@ class _Seen:
 def _with_submitit_signal(config: Config, sig: signal.Signals) -> Config:
     """``config`` with ``sig`` -> ``requeue`` added, unless it maps ``sig`` already."""
     signals = config.signals
-    if not signals.enabled or sig in signals.resolved:
+    if not signals.enabled:
         return config
-    actions = {**signals.actions, sig.name: "requeue"}
-    return dataclasses.replace(config, signals=SignalConfig(actions=actions, enabled=True))
+    # chain: submitit's recorder keeps seeing the signals it handles (it decides requeues)
+    actions = signals.actions if sig in signals.resolved else {**signals.actions, sig.name: "requeue"}
+    return dataclasses.replace(config, signals=SignalConfig(
+        actions=actions, enabled=True, chain=True, interrupt_window=signals.interrupt_window))
 
 
 def _replay(ft: FaultTolerance, signals: SignalConfig, seen: _Seen) -> None:

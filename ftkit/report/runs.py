@@ -170,6 +170,8 @@ def _run(index: int, events: list[dict[str, Any]]) -> Run:
 
 def _cause(run: Run) -> tuple[str, bool]:
     """Why the run ended, and whether that was an unplanned interruption."""
+    if any(e.get("event") == "hang" for e in run.events):
+        return "hang (watchdog)", True
     if run.requeue is not None and run.requeue.get("cause"):
         cause = str(run.requeue["cause"])
         if run.exit is None and cause == "crash":

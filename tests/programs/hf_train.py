@@ -11,6 +11,8 @@ plain ``trainer.train()`` (run it under ``python -m ftkit.integrations.hf``).
 
 import argparse
 import json
+import os
+import select
 import signal
 import sys
 import time
@@ -22,11 +24,21 @@ from transformers.utils import logging as hf_logging
 
 hf_logging.disable_progress_bar()  # no tqdm bars (nor tqdm's monitor thread) while saving
 
-_TERM = []
+_TERM: list[int] = []  # signal numbers read from the wakeup fd
+_WAKE_R = -1
+
+
+def _wakeup_pipe() -> int:
+    global _WAKE_R
+    _WAKE_R, w = os.pipe()
+    os.set_blocking(w, False)
+    return w
 
 
 class PauseAt(TrainerCallback):
-    """At step K, wait for SIGTERM; ftkit's handler chains to ours, so it has posted by then."""
+    """At step K, wait for SIGTERM. ftkit owns SIGTERM (it does not chain to a handler of ours),
+    so the signal is seen through the wakeup fd, which the interpreter writes every signal's
+    number to before any Python handler runs; ftkit's handler has posted once it is read."""
 
     def __init__(self, step: int, out: Path) -> None:
         self.step, self.out = step, out
@@ -36,8 +48,9 @@ class PauseAt(TrainerCallback):
             return
         (self.out / "paused").write_text(str(state.global_step))
         deadline = time.monotonic() + 30
-        while not _TERM and time.monotonic() < deadline:
-            time.sleep(0.01)
+        while signal.SIGTERM not in _TERM and (left := deadline - time.monotonic()) > 0:
+            if select.select([_WAKE_R], [], [], left)[0]:
+                _TERM.extend(os.read(_WAKE_R, 64))
 
 
 def build_trainer(out: Path, steps: int, callbacks=(), **overrides) -> Trainer:
@@ -66,7 +79,8 @@ def main() -> int:
     ap.add_argument("--mode", choices=("train", "launcher"), default="train")
     a = ap.parse_args()
 
-    signal.signal(signal.SIGTERM, lambda signum, frame: _TERM.append(signum))
+    wake_w = _wakeup_pipe()
+    signal.set_wakeup_fd(wake_w)
     trainer = build_trainer(a.out, a.steps, [PauseAt(a.pause_at, a.out)] if a.pause_at else [])
     model = trainer.model
 

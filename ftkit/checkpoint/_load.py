@@ -1,0 +1,123 @@
+"""Which parts of a checkpoint each rank loads, on any number of ranks, and the strictness rule.
+
+**World-size rule.** A checkpoint saved by ``W`` ranks loads into ``W'`` ranks, for every
+pair, from either kind (``single``: one process, everything in ``rank-00000.pt``; ``dcp``:
+several ranks, modules and optimizers in ``dcp/``):
+
+* modules and optimizers (:func:`~._dcp.sharded_keys`) get the full saved state on every
+  rank: from ``dcp/`` through DCP, which reshards into the live layout (replicated models:
+  whole tensors on every rank; FSDP/DTensor: each rank's shards), with or without a process
+  group; from a ``single`` checkpoint's ``rank-00000.pt`` on every rank as full state dicts,
+  sharded where the live model is. Wrapper prefixes (DDP's ``module.``) do not matter.
+* everything else is per-rank state (``rank-RRRRR.pt``): a rank ``r < W`` loads its own
+  file; a rank ``r >= W`` loads rank 0's state and derives its RNG streams from rank 0's and
+  ``r`` (:func:`~._state.derive_rng`); the files of ranks ``W'..W-1`` are not used. Rank 0
+  logs the rule once when the sizes differ. :class:`~._sampler.ResumableSampler` translates
+  its position into a global one (its ``load_state_dict``).
+
+**Strictness rule.** Every key of the state must be in the checkpoint (as a module or
+optimizer in ``dcp/``, or in the rank's file); a missing one is a ``CheckpointError`` naming
+the key and the checkpoint, raised before anything is restored, unless the config allows
+it (``strict=False``, or the key in ``allow_missing``): then it is left as it is, with a
+warning and a ``missing-state`` event.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError
+from ._config import CheckpointConfig
+from ._layout import DCP_DIR
+
+__all__ = ["check_missing", "describe_rule", "is_dcp", "match_keys"]
+
+log = logging.getLogger(__name__)
+
+# what torch's state_dict helpers leave out of a parameter's name (DDP, torch.compile, FSDP1,
+# activation checkpointing)
+_WRAPPERS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def is_dcp(files: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint's modules and optimizers are in ``dcp/`` (several saving ranks)."""
+    return f"{DCP_DIR}/.metadata" in files
+
+
+def check_missing(
+    state: Mapping[str, Any],
+    available: set[str],
+    config: CheckpointConfig,
+    path: Path,
+    emit: Callable[..., None],
+    step: int,
+) -> set[str]:
+    """The keys of ``state`` not in the checkpoint, allowed by ``config`` (each warned about,
+    one ``missing-state`` event); CheckpointError if any is not allowed."""
+    missing = [k for k in state if k not in available]
+    if not missing:
+        return set()
+    refused = [k for k in missing if config.strict and k not in config.allow_missing]
+    if refused:
+        names = ", ".join(f"state[{k!r}] ({_what(state[k])})" for k in refused)
+        raise CheckpointError(
+            f"checkpoint {path} has no {names}; nothing was restored. Resuming would go on with "
+            f"{'it' if len(refused) == 1 else 'them'} as initialised, silently. Resume from a "
+            "checkpoint that has it, or allow it explicitly: "
+            f"CheckpointConfig(allow_missing=({', '.join(repr(k) for k in refused)},)) to leave "
+            "these keys as they are, or CheckpointConfig(strict=False) for every key"
+        )
+    for key in missing:
+        log.warning("state[%r] (%s) is not in checkpoint %s; left as it is (allowed by %s)",
+                    key, _what(state[key]), path,
+                    "checkpoint.allow_missing" if key in config.allow_missing else "checkpoint.strict=False")
+    emit("missing-state", step=step, path=str(path), keys=missing)
+    return set(missing)
+
+
+def _what(value: Any) -> str:
+    return f"a {type(value).__module__}.{type(value).__qualname__}"
+
+
+def describe_rule(path: Path, saved: int, current: int) -> str:
+    """The world-size rule for this load, in words (logged once, by rank 0)."""
+    words = [
+        f"checkpoint {path} was saved by {saved} rank{'s' if saved != 1 else ''}, this run has "
+        f"{current}: modules and optimizers get the full saved state on every rank (resharded "
+        "where sharded)"
+    ]
+    if current > saved:
+        extra = f"rank {saved}" if current == saved + 1 else f"ranks {saved}-{current - 1}"
+        own = "rank 0 loads its" if saved == 1 else f"ranks 0-{saved - 1} load their"
+        words.append(
+            f"{own} own per-rank state; {extra} load rank 0's and derive their RNG streams "
+            "from rank 0's and their rank"
+        )
+    else:
+        gone = f"rank {current}" if saved == current + 1 else f"ranks {current}-{saved - 1}"
+        words.append(
+            f"{'rank 0 loads its' if current == 1 else f'ranks 0-{current - 1} load their'} own "
+            f"per-rank state; that of {gone} (RNG streams, per-rank values) is not used"
+        )
+    return "; ".join(words)
+
+
+def _canonical(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
+
+
+def match_keys(saved: Mapping[str, Any], names: list[str], where: str) -> dict[str, Any]:
+    """``saved`` (a module's state dict) renamed to ``names``, where the two differ only by
+    wrapper prefixes (a model saved inside DDP, loaded without it, or the reverse). Anything
+    else is returned as it is, for ``load_state_dict`` to name the keys that do not match."""
+    if set(saved) == set(names):
+        return dict(saved)
+    live = {_canonical(n): n for n in names}
+    renamed = {live.get(_canonical(k), k): v for k, v in saved.items()}
+    if len(live) == len(names) and set(renamed) == set(names) and len(renamed) == len(saved):
+        return renamed
+    log.debug("%s: saved names do not match the live ones, even without wrapper prefixes", where)
+    return dict(saved)

@@ -1,0 +1,325 @@
+"""Rank 0's hold on ``JOBDIR/lease.lock``: fcntl locks, the heartbeat thread, the takeover,
+and sharing the outcome with every rank."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from .._fs import atomic_write, fsync_dir
+from ..errors import EXIT_JOBDIR_BUSY, ConfigError, FtkitError
+from ..events import EventLog
+from ..jobdir import JobDir
+from ._record import JobDirBusyError, LeaseConfig, LeaseRecord, Verdict, judge, pid_alive
+
+__all__ = ["Lease", "agree_refused", "take_lease"]
+
+log = logging.getLogger(__name__)
+
+_LEASE_BYTE = 0  # held for the run's life
+_MUTEX_BYTE = 1  # held while deciding and writing the record
+_MUTEX_WAIT = 10.0  # seconds to wait for another run's acquisition or release to finish
+
+
+def _int_env(name: str) -> int:
+    try:
+        return int(os.environ.get(name, "") or 0)
+    except ValueError:
+        return 0
+
+
+# -- locks -------------------------------------------------------------------------------
+
+
+def _lock(fd: int, byte: int, path: Path) -> bool:
+    """Try to lock ``byte`` of ``fd`` (fcntl, exclusive, non-blocking); False if another process has it."""
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, byte, os.SEEK_SET)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise ConfigError(
+            f"cannot take an fcntl lock on {path}: {exc.strerror or exc} (errno {exc.errno}). The job dir's "
+            "filesystem has no working fcntl locks (NFS: needs lockd / NFSv4, not -o nolock; Lustre: mount with "
+            "-o flock). Put the job dir on a filesystem with locks, or run without the one-run-per-job-dir "
+            "guard: Config(lease=LeaseConfig(enabled=False))") from None
+
+
+def _unlock(fd: int, byte: int) -> None:
+    with contextlib.suppress(OSError):
+        fcntl.lockf(fd, fcntl.LOCK_UN, 1, byte, os.SEEK_SET)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+# fcntl locks belong to the process, and closing any descriptor of a file drops all of the
+# process's locks on it: a second FaultTolerance on the same job dir in this process must
+# neither "get" the lock nor close a descriptor of the file. Held lock files, by (dev, ino):
+_HELD: dict[tuple[int, int], Lease] = {}
+_HELD_LOCK = threading.Lock()
+
+
+class Lease:
+    """Rank 0's hold on ``JOBDIR/lease.lock``; ``acquire()`` at start, ``release()`` at close."""
+
+    def __init__(self, job: JobDir, config: LeaseConfig, *, events: EventLog, world_size: int = 1,
+                 job_id: str | None = None, restart_count: int = 0, clock: Callable[[], float] = time.time,
+                 on_lost: Callable[[str], None] | None = None) -> None:
+        self.job = job
+        self.config = config
+        self._events = events
+        self._clock = clock
+        self._on_lost = on_lost
+        now = clock()
+        self.record = LeaseRecord(job_id=job_id, restart_count=restart_count,
+                                  attempt=_int_env("TORCHELASTIC_RESTART_COUNT"), host=socket.gethostname(),
+                                  pid=os.getpid(), world_size=world_size, started=now, heartbeat=now,
+                                  heartbeat_every=config.heartbeat, stale_after=config.stale_after)
+        self._fd: int | None = None
+        self._key: tuple[int, int] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.lost: str | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    # -- acquire ---------------------------------------------------------------------------
+
+    def acquire(self) -> None:
+        """Take the lease or raise :class:`JobDirBusyError` (after a ``lease-refused`` event)."""
+        with _HELD_LOCK:
+            try:
+                verdict, held = self._acquire()
+            except JobDirBusyError as exc:
+                self._refuse(str(exc), exc.holder)
+                raise
+        if verdict.kind == "takeover":
+            assert held is not None
+            log.warning("ftkit: took over the lease of job dir %s from %s: %s", self.job.root, held.holder, verdict.reason)
+            self._events.emit("lease-takeover", previous=asdict(held), reason=verdict.reason,
+                              job_id=self.record.job_id, restart_count=self.record.restart_count)
+        self._thread = threading.Thread(target=self._beat, name="ftkit-lease-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _acquire(self) -> tuple[Verdict, LeaseRecord | None]:
+        path = self.job.lease_lock
+        fd = self._open_with_mutex(path)
+        lease_fd: int | None = None
+        try:
+            lock_free = _lock(fd, _LEASE_BYTE, path)
+            held = LeaseRecord.read(self.job.lease)
+            now = self._clock()
+            verdict = judge(held, self.record, lock_free=lock_free, now=now, stale_after=self.config.stale_after,
+                            pid_alive=pid_alive)
+            if verdict.kind == "busy":
+                if lock_free:
+                    _unlock(fd, _LEASE_BYTE)
+                raise JobDirBusyError(self._busy_message(held, verdict), held)
+            lease_fd = fd if lock_free else self._break(path)
+            self.record = replace(self.record, started=now, heartbeat=now)
+            atomic_write(self.job.lease, self.record.to_json())
+            st = os.fstat(lease_fd)
+            self._fd, self._key = lease_fd, (st.st_dev, st.st_ino)
+            _HELD[self._key] = self
+            return verdict, held
+        except BaseException:
+            if lease_fd is not None and lease_fd != fd:
+                os.close(lease_fd)
+            self._fd = None
+            raise
+        finally:
+            if lease_fd == fd:
+                _unlock(fd, _MUTEX_BYTE)
+            else:  # nothing of ours stays on this file: closing drops the mutex
+                os.close(fd)
+
+    def _open_with_mutex(self, path: Path) -> int:
+        """Open the current ``lease.lock`` with byte 1 (the mutex) locked."""
+        deadline = time.monotonic() + _MUTEX_WAIT
+        while True:
+            try:
+                st = os.stat(path)
+                if (st.st_dev, st.st_ino) in _HELD:
+                    holder = _HELD[(st.st_dev, st.st_ino)]
+                    raise JobDirBusyError(self._busy_message(holder.record, Verdict("busy", "it is this process")),
+                                          holder.record)
+            except FileNotFoundError:
+                pass
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                if _lock(fd, _MUTEX_BYTE, path):
+                    if _same_file(fd, path):
+                        return fd
+                    _unlock(fd, _MUTEX_BYTE)  # replaced meanwhile by a takeover: look again
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+            if time.monotonic() > deadline:
+                raise JobDirBusyError(
+                    f"job dir {self.job.root} is busy: another run has been taking or releasing its lease "
+                    f"({path}) for {_MUTEX_WAIT:g} s. Try again; see `ftkit status {self.job.root}`.")
+            time.sleep(0.05)
+
+    def _break(self, path: Path) -> int:
+        """Replace ``lease.lock`` by a new file locked by this process; the old holder's lock
+        (a lost node's, not yet reclaimed) stays on the old file, which nobody opens again."""
+        tmp = path.with_name(f".{path.name}.{self.record.host}.{self.record.pid}.tmp")
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            if not _lock(fd, _LEASE_BYTE, tmp):
+                raise JobDirBusyError(f"job dir {self.job.root}: could not lock the new lease file {tmp}")
+            os.replace(tmp, path)
+            fsync_dir(path.parent)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        return fd
+
+    def _busy_message(self, held: LeaseRecord | None, verdict: Verdict) -> str:
+        who = held.holder if held is not None else "another process"
+        return (
+            f"job dir {self.job.root} is in use by another run: {who} holds its lease ({self.job.lease}); "
+            f"{verdict.reason}. This run exits with code {EXIT_JOBDIR_BUSY} and changed nothing in the job dir "
+            f"(ftkit requeue does not requeue it). Wait for that run to end, end it (scancel, kill), or give this "
+            f"run another job dir; `ftkit status {self.job.root}` shows the holder.")
+
+    def _refuse(self, message: str, holder: LeaseRecord | None) -> None:
+        log.error("%s", message)
+        self._events.emit("lease-refused", job_id=self.record.job_id, restart_count=self.record.restart_count,
+                          holder=None if holder is None else asdict(holder), exit_code=EXIT_JOBDIR_BUSY,
+                          reason=message)
+
+    # -- heartbeat -------------------------------------------------------------------------
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.config.heartbeat):
+            try:
+                why = self._still_ours()
+                if why is not None:
+                    self._lose(why)
+                    return
+                self.record = replace(self.record, heartbeat=self._clock())
+                atomic_write(self.job.lease, self.record.to_json())
+            except Exception as exc:  # a full disk must not kill the run; the record just ages
+                log.warning("lease heartbeat on %s failed: %s", self.job.lease, exc)
+
+    def _still_ours(self) -> str | None:
+        assert self._fd is not None
+        if not _same_file(self._fd, self.job.lease_lock):
+            return f"{self.job.lease_lock} was replaced"
+        current = LeaseRecord.read(self.job.lease)
+        if current is not None and current.token != self.record.token:
+            return f"{self.job.lease} now names {current.holder}"
+        return None
+
+    def _lose(self, why: str) -> None:
+        current = LeaseRecord.read(self.job.lease)
+        self.lost = (f"this run lost the lease of job dir {self.job.root} ({why}): another run took it over "
+                     "after this run's heartbeat looked stale. Stopping without saving, so the two runs do not mix "
+                     "checkpoints")
+        log.error("%s", self.lost)
+        self._events.emit("lease-lost", reason=self.lost, holder=None if current is None else asdict(current))
+        if self._on_lost is not None:
+            self._on_lost(self.lost)
+
+    # -- release ---------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Stop the heartbeat, mark the record released (if it is still ours), unlock. Idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        fd = self._fd
+        if fd is None:
+            return
+        with _HELD_LOCK:
+            try:
+                deadline = time.monotonic() + _MUTEX_WAIT
+                while not _lock(fd, _MUTEX_BYTE, self.job.lease_lock) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if self.lost is None and self._still_ours() is None:
+                    atomic_write(self.job.lease, replace(self.record, released=self._clock()).to_json())
+            except Exception as exc:
+                log.warning("could not mark the lease %s released: %s (the lock is let go anyway)", self.job.lease, exc)
+            finally:
+                _HELD.pop(self._key, None)  # type: ignore[arg-type]
+                self._fd = self._key = None
+                os.close(fd)  # drops both locks
+
+
+def agree_refused(refused: int, group: Any, device: str | None = None) -> int:
+    """All ranks learn rank 0's outcome (0: lease taken, else a failure code): MAX over ranks."""
+    import torch
+    import torch.distributed as dist
+
+    if device is None:
+        backend = str(dist.get_backend(group)).lower()
+        device = f"cuda:{torch.cuda.current_device()}" if "nccl" in backend else "cpu"
+    flag = torch.tensor([int(refused)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return int(flag.item())
+
+
+def take_lease(job: JobDir, config: LeaseConfig, *, events: EventLog, rank: int = 0, world_size: int = 1,
+               group: Any = None, device: str | None = None, job_id: str | None = None, restart_count: int = 0,
+               on_lost: Callable[[str], None] | None = None) -> Lease | None:
+    """Rank 0 takes the lease; every rank learns the outcome (one all-reduce when
+    ``world_size > 1``) and raises the same way, so no rank waits in a later collective for a
+    rank that stopped. Returns rank 0's :class:`Lease` (None on other ranks or when disabled)."""
+    if not config.enabled:
+        return None
+    lease: Lease | None = None
+    error: BaseException | None = None
+    outcome = 0
+    if rank == 0:
+        lease = Lease(job, config, events=events, world_size=world_size, job_id=job_id,
+                      restart_count=restart_count, on_lost=on_lost)
+        try:
+            lease.acquire()
+        except JobDirBusyError as exc:
+            outcome, error = 1, exc
+        except Exception as exc:
+            outcome, error = 2, exc
+    if world_size > 1:
+        try:
+            outcome = agree_refused(outcome, group, device)
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+    if outcome == 0:
+        return lease
+    if error is not None:
+        raise error
+    if outcome == 1:
+        holder = LeaseRecord.read(job.lease)
+        message = (f"job dir {job.root} is in use by another run ({'holder: ' + holder.holder if holder else 'see rank 0'}); "
+                   f"rank 0 found its lease {job.lease} held. This rank exits with code {EXIT_JOBDIR_BUSY} and changed "
+                   f"nothing; `ftkit status {job.root}` shows the holder.")
+        log.error("%s", message)
+        raise JobDirBusyError(message, holder)
+    raise FtkitError(f"rank 0 could not take the lease of job dir {job.root}; its log says why")

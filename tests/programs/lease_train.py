@@ -1,0 +1,74 @@
+"""A tiny training run for the lease tests.
+
+    python lease_train.py JOBDIR CONTROL --steps N [--save-every K] [--hold-at S]
+                          [--heartbeat H] [--stale-after T]
+
+Trains a linear model with ``ft.range`` and periodic checkpoints. With ``--hold-at S`` every
+rank writes ``CONTROL/holding-rankR`` (its pid) at step S and waits there until
+``CONTROL/release`` exists, so a test can start a second run, or ``kill -9`` this one, while
+it holds the job dir. Nothing of the test's own goes into JOBDIR. Under torch.distributed
+(RANK/WORLD_SIZE/MASTER_* set) it joins a gloo group first. A refused lease ends the process
+with ftkit's own exit (code 86, no traceback): the program does not catch it.
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import ftkit
+from ftkit.lease import LeaseConfig
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("jobdir", type=Path)
+    ap.add_argument("control", type=Path)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--save-every", type=int, default=2)
+    ap.add_argument("--hold-at", type=int)
+    ap.add_argument("--heartbeat", type=float, default=0.2)
+    ap.add_argument("--stale-after", type=float, default=600.0)
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", "0"))
+    if "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    config = ftkit.Config(
+        save_every=args.save_every,
+        agreement=ftkit.AgreementConfig(every=1),
+        budget=ftkit.BudgetConfig(use_slurm=False),  # tests fake SLURM_JOB_ID: never ask scontrol
+        lease=LeaseConfig(heartbeat=args.heartbeat, stale_after=args.stale_after),
+    )
+    with ftkit.FaultTolerance(args.jobdir, state={"model": model, "optimizer": opt}, config=config) as ft:
+        for step in ft.range(args.steps):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            if step == args.hold_at:
+                (args.control / f"holding-rank{rank}").write_text(str(os.getpid()))
+                deadline = time.monotonic() + 300
+                while not (args.control / "release").exists():
+                    if time.monotonic() > deadline:
+                        raise SystemExit("lease_train: nobody released the hold within 300 s")
+                    time.sleep(0.02)
+    (args.control / f"done-rank{rank}").write_text(str(ft.completed))
+    if "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
