@@ -279,6 +279,7 @@ class Checkpointer:
         if step is None and mode == "never":
             log.info("checkpoint.resume is 'never': starting fresh")
             return None
+        began = time.monotonic()  # the load event splits finding/validating from reading
         self.comm.check()
         self._note_leftovers()
         if step is None:
@@ -288,6 +289,7 @@ class Checkpointer:
         skipped: list[str] = []
         for path in candidates:
             problem = self._agree_valid(path)
+            found = time.monotonic()
             if not problem:
                 problem = self._try_load(state, path)
             if not problem:
@@ -295,7 +297,8 @@ class Checkpointer:
                 restored = int(self.loaded.step)
                 log.info("resumed from checkpoint %s", path)
                 self._emit("load", step=restored, path=str(path),
-                           saved_world_size=self.loaded.world_size, world_size=self.world_size)
+                           saved_world_size=self.loaded.world_size, world_size=self.world_size,
+                           find_seconds=round(found - began, 6), read_seconds=round(time.monotonic() - found, 6))
                 return restored
             skipped.append(f"{path.name}: {problem}")
             log.warning("skipping checkpoint %s: %s", path, problem)

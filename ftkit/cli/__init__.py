@@ -1,6 +1,6 @@
 """The ``ftkit`` command. The only place that prints with rich.
 
-Each command group lives in its own module (``_triggers``, ``_checkpoints``, ``_slurm``,
+Each command group lives in its own module (``_triggers``, ``_status``, ``_report``, ``_checkpoints``, ``_slurm``,
 ``_demo``) with a ``register(subparsers)`` function. Modules import torch and other heavy
 packages only inside the command functions, so ``ftkit --help`` stays light.
 """
@@ -18,7 +18,7 @@ from ..errors import FtkitError
 __all__ = ["main"]
 
 # Command-group modules, in the order their commands appear in --help.
-_GROUPS = ("_triggers", "_status", "_checkpoints", "_slurm", "_demo")
+_GROUPS = ("_triggers", "_status", "_report", "_checkpoints", "_slurm", "_demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,7 +17,9 @@ from ..lease import Lease, LeaseConfig, take_lease
 from ..triggers.budget import BudgetConfig, TimeBudget
 from ..triggers.files import SwitchWatcher, WatchConfig
 from ..triggers.signals import SignalConfig, SignalTrigger
-from .agreement import AgreementConfig, Collective, decode_flags, encode
+from .agreement import WIDTH, AgreementConfig, Collective, decode_flags, encode
+from .interval import AutoInterval, IntervalConfig
+from .runclock import RunClock, TimingConfig
 from .watchdog import Watchdog, WatchdogConfig
 
 __all__ = ["Config", "FaultTolerance"]
@@ -50,8 +52,16 @@ class Config:
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     """The hang watchdog: a rank that completes no step in time dumps its stacks and exits 87."""
 
-    save_every: int | None = None
-    """Also save every this many steps (periodic checkpoints); None: only on request."""
+    save_every: int | str | None = None
+    """Also save every this many steps (periodic checkpoints); ``"auto"``: at the interval
+    ``interval`` derives from the measured checkpoint cost and the MTBF (Young/Daly, see
+    docs/goodput.md); None: only on request."""
+
+    interval: IntervalConfig = field(default_factory=IntervalConfig)
+    """How ``save_every="auto"`` picks the interval (MTBF, bounds)."""
+
+    timing: TimingConfig = field(default_factory=TimingConfig)
+    """What the run records about its own timing for ``ftkit report``."""
 
     save_at_end: bool = True
     """Save a checkpoint when ``range()`` reaches the last step."""
@@ -60,8 +70,9 @@ class Config:
     """One run per job dir: rank 0 holds ``JOBDIR/lease.lock``; a second run exits with code 86."""
 
     def __post_init__(self) -> None:
-        if self.save_every is not None and (not isinstance(self.save_every, int) or self.save_every < 1):
-            raise ConfigError(f"save_every: must be a whole number of steps >= 1 or None, got {self.save_every!r}")
+        if self.save_every is not None and self.save_every != "auto" and (
+                not isinstance(self.save_every, int) or self.save_every < 1):
+            raise ConfigError(f"save_every: must be a whole number of steps >= 1, 'auto' or None, got {self.save_every!r}")
 
 
 def _dist_info(process_group: Any) -> tuple[int, int, Any]:
@@ -99,6 +110,9 @@ class FaultTolerance:
         self._clock = clock
         self._wallclock = wallclock
         self.events = EventLog(self.job.events, rank=self.rank, clock=wallclock)
+        self.runclock = RunClock(self.events, self.config.timing, clock=clock, wallclock=wallclock,
+                                 emit=self.rank == 0)
+        self._auto: AutoInterval | None = None  # save_every="auto", made in start()
         self.box = RequestBox()
         self._signals = SignalTrigger(self.config.signals, self.box, clock=clock)
         self._watcher = SwitchWatcher(self.job, self.box, self.config.watch)
@@ -136,6 +150,7 @@ class FaultTolerance:
         ``lease-refused`` event was written."""
         if self._started:
             return self
+        self.runclock.started()  # ftkit's set-up (the lease, the agreement) starts here
         from ..slurm.env import SlurmEnv
 
         slurm = SlurmEnv.from_env()
@@ -161,6 +176,8 @@ class FaultTolerance:
                 "job will stop after its first step. Ask for more time or lower budget.margin / "
                 "budget.save_estimate", left, self.budget.save_estimate, self.budget.config.margin)
         self.watchdog.start()
+        if self.config.save_every == "auto":
+            self._auto = self._auto_interval()
         self.events.emit(
             "start",
             world_size=self.world_size,
@@ -169,6 +186,7 @@ class FaultTolerance:
             kill_switch=self._no_save_at_start,
             observer=self._watcher.observer_kind,
             deadline=self.budget.end_time,
+            **self.runclock.start_fields(),
         )
         return self
 
@@ -205,6 +223,7 @@ class FaultTolerance:
                 requeue=None if final is None else final.requeue,
                 reasons=[] if final is None else list(final.reasons),
                 error=self._crash,
+                **self.runclock.exit_fields(),
             )
             if self._lease is not None:  # last: the next run may start once everything is written
                 self._lease.release()
@@ -250,6 +269,11 @@ class FaultTolerance:
         if self._last_check is not None:
             self.budget.record_step(now - self._last_check)
         self._last_check = now
+        clk = self.runclock
+        clk.step = step
+        clk.last = now
+        if now >= clk.due:
+            clk.tick(step, now)
         self.watchdog.last = (step, now)  # the watchdog's whole hot-path cost
         if self._final is not None:
             if self.box.pending:  # log what arrives after the exit was decided; it changes nothing
@@ -331,11 +355,18 @@ class FaultTolerance:
         if self._background:
             self._poll_background(step)
         decision = self.check(step)
-        periodic = (
-            self.config.save_every is not None
-            and step % self.config.save_every == 0
-            and not self._no_save_at_start
-        )
+        if self._auto is None:
+            periodic = (
+                self.config.save_every is not None
+                and step % self.config.save_every == 0
+                and not self._no_save_at_start
+            )
+        else:
+            periodic = step >= self._auto.next_step and not self._no_save_at_start
+            if self._auto.steps is None and not periodic:  # the first step: a step time to plan with
+                step_time = self.runclock.step_time()
+                if step_time is not None:
+                    self._auto.schedule(step, step_time=step_time)
         if decision.save or (periodic and not decision.exit):
             self.save(step, decision=decision if decision.save else None)
         return decision
@@ -403,11 +434,16 @@ class FaultTolerance:
         self.start()
         if self._no_save_at_start:
             return 0
-        step = self.checkpoints.load(self._require_state())
+        began = self._clock()
+        manager = self.checkpoints
+        loaded_at = self._clock()
+        step = manager.load(self._require_state())
+        timing = self.runclock.resumed(step, load_seconds=self._clock() - loaded_at,
+                                       manager_seconds=loaded_at - began)
         # the run that saved it may have had another number of ranks (custom managers: unknown)
-        loaded = getattr(self.checkpoints, "loaded", None) if step is not None else None
+        loaded = getattr(manager, "loaded", None) if step is not None else None
         saved_world = getattr(loaded, "world_size", None)
-        self.events.emit("resume", step=step, world_size=self.world_size, saved_world_size=saved_world)
+        self.events.emit("resume", step=step, world_size=self.world_size, saved_world_size=saved_world, **timing)
         self._last_saved_step = step
         return 0 if step is None else int(step)
 
@@ -433,10 +469,35 @@ class FaultTolerance:
             log.warning("checkpoint at step %d failed, training continues: %s", step, exc)
             return None
         seconds = self._clock() - began
+        exiting = bool(decision is not None and decision.exit) or reason == "end of training"
+        self.runclock.saved(step, seconds, exiting=exiting)
+        if self._auto is not None and not exiting:
+            self._replan(step, seconds)
         if self._background:  # the budget needs the time until durable, not the stall
             seconds = max(seconds, getattr(self.checkpoints, "last_persist_seconds", None) or 0.0)
         self.saved(step, seconds=seconds, decision=decision)
         return info
+
+    def _auto_interval(self) -> AutoInterval:
+        """``save_every="auto"``: the rule, primed with what earlier runs of this job dir measured."""
+        from ..events import read_events
+        from .interval import read_history
+
+        collective = self._collective
+        agree = None if collective is None else (lambda n: int(collective.reduce([n] + [0] * (WIDTH - 1))[0]))
+        in_flight = getattr(self.config.async_save, "max_in_flight", 1)
+        return AutoInterval(self.config.interval, events=self.events if self.rank == 0 else None,
+                            history=read_history(list(read_events(self.job.events))),
+                            max_in_flight=in_flight, agree=agree)
+
+    def _replan(self, step: int, stall: float) -> None:
+        """After a periodic or requested save: new measurements, maybe a new interval."""
+        auto = self._auto
+        durable = getattr(self.checkpoints, "last_persist_seconds", None) if self._background else stall
+        auto.measured(cost=stall, durable=durable)
+        step_time = self.runclock.step_time()
+        if step_time is not None:
+            auto.schedule(step, step_time=step_time)
 
     def _poll_background(self, step: int) -> None:
         """Memory snapshots due at this step, and a background save that failed since the last

@@ -1,0 +1,250 @@
+"""`ftkit report`: a job dir driven through real runs (kill -9, resume, SIGUSR1, completion)
+is accounted for in time buckets that add up to the measured wall time; an events log
+written by the previous release (tests/data/previous-release-events.jsonl) still reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ftkit.events import read_events
+from tests.conftest import wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+PROGRAM = ROOT / "tests" / "programs" / "goodput_loop.py"
+DATA = ROOT / "tests" / "data"
+STEP = 0.03
+SAVE_EVERY = 100
+TOTAL = 330
+
+
+def ftkit_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ftkit", *args], capture_output=True, text=True, timeout=120,
+                          check=True, env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "250"})
+
+
+def steps_log(jobdir: Path) -> list[tuple[int, int, float]]:
+    try:
+        lines = (jobdir / "steps.log").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [(int(p), int(s), float(t)) for p, s, t in (line.split() for line in lines if line.count(" ") == 2)]
+
+
+class Run:
+    """One training process, timed from outside: from Popen to its last statement (the time it
+    writes into ended-PID), or to the return of kill -9. The interpreter's teardown after the
+    last statement is not counted: no record of the process can see it (docs/goodput.md)."""
+
+    def __init__(self, jobdir: Path, restart: int) -> None:
+        self.jobdir = jobdir
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": str(restart),
+               "SLURM_GPUS_ON_NODE": "4", "SLURM_JOB_NUM_NODES": "1"}
+        self.began = time.time()
+        self.proc = subprocess.Popen([sys.executable, str(PROGRAM), str(jobdir), str(TOTAL), str(STEP),
+                                      str(SAVE_EVERY), "--progress", "0.1"], env=env)
+        self.ended: float | None = None
+
+    def wait(self) -> int:
+        rc = self.proc.wait(timeout=120)
+        self.ended = time.time()
+        marker = self.jobdir / f"ended-{self.proc.pid}"
+        if marker.exists():
+            self.ended = float(marker.read_text())
+        return rc
+
+    @property
+    def wall(self) -> float:
+        assert self.ended is not None
+        return self.ended - self.began
+
+
+def progress_count(jobdir: Path) -> int:
+    return sum(1 for e in read_events(jobdir / "events.jsonl") if e["event"] == "progress")
+
+
+def test_report_buckets_add_up_across_kill9_usr1_and_completion(tmp_path: Path) -> None:
+    jobdir = tmp_path / "job"
+    jobdir.mkdir()
+    runs: list[Run] = []
+
+    # run 0: killed with kill -9 right after a progress record, well past the checkpoint at 100
+    run = Run(jobdir, 0)
+    runs.append(run)
+    wait_for(lambda: any(s >= 170 for _, s, _ in steps_log(jobdir)), 90, what="run 0 past step 170")
+    seen = progress_count(jobdir)
+    wait_for(lambda: progress_count(jobdir) > seen, 10, interval=0.005, what="a fresh progress record")
+    run.proc.send_signal(signal.SIGKILL)
+    assert run.wait() == -signal.SIGKILL
+    killed_at = max(s for p, s, _ in steps_log(jobdir) if p == run.proc.pid)
+    time.sleep(0.5)  # "in the queue"
+
+    # run 1: resumes from 100, stopped by SIGUSR1 (save, exit, ask for a requeue) past step 250
+    run = Run(jobdir, 1)
+    runs.append(run)
+    wait_for(lambda: any(p == run.proc.pid and s >= 250 for p, s, _ in steps_log(jobdir)), 90, what="run 1 at 250")
+    run.proc.send_signal(signal.SIGUSR1)
+    assert run.wait() == 0
+    time.sleep(0.5)
+
+    # run 2: completes
+    run = Run(jobdir, 2)
+    runs.append(run)
+    assert run.wait() == 0
+
+    report = json.loads(ftkit_cli("report", str(jobdir), "--json").stdout)
+    rows = report["runs"]
+    assert [r["restart_count"] for r in rows] == [0, 1, 2] and [r["job_id"] for r in rows] == ["4242"] * 3
+    assert rows[0]["cause"] == "killed (no exit record)" and rows[0]["unplanned"] and not rows[0]["end_known"]
+    assert rows[1]["cause"].startswith("requeue: SIGUSR1") and not rows[1]["unplanned"]
+    assert rows[2]["cause"] == "completed"
+    assert rows[1]["resumed_from"] == 100 and rows[2]["resumed_from"] == rows[1]["last_step"]
+    assert rows[0]["resumed_from"] is None and rows[0]["last_durable"] == 100
+    assert rows[2]["last_step"] == TOTAL and rows[2]["gpus"] == 4
+
+    # the buckets add up to the wall time of every run, measured from outside, within 2 %
+    buckets = report["buckets"]
+    measured = sum(r.wall for r in runs)
+    assert sum(buckets.values()) == pytest.approx(report["wall"], rel=1e-9)
+    assert report["wall"] == pytest.approx(measured, rel=0.02), (report["wall"], measured, buckets)
+    for row, run in zip(rows, runs, strict=True):
+        assert sum(row["buckets"].values()) == pytest.approx(row["wall"], rel=1e-9)
+        assert row["wall"] == pytest.approx(run.wall, rel=0.05, abs=0.15)
+
+    # re-done work: the steps run 0 computed after its checkpoint at 100, which run 1 computed
+    # again, times the step time measured from the steps' own timestamps
+    times = {s: t for p, s, t in steps_log(jobdir) if p == runs[0].proc.pid}
+    step_time = (times[killed_at] - times[101]) / (killed_at - 101)  # run 0's own pace after its save
+    redone_steps = killed_at - 100
+    assert rows[0]["redone_steps"] == pytest.approx(redone_steps, abs=3)
+    assert buckets["redone"] == pytest.approx(redone_steps * step_time, rel=0.10), (buckets, step_time)
+    assert rows[1]["redone_steps"] == 0 and rows[1]["buckets"]["redone"] == 0.0  # it saved on the way out
+
+    # restart cost: every run pays interpreter + imports; runs 1 and 2 found and loaded a checkpoint
+    for row in rows:
+        parts = row["restart_parts"]
+        assert parts["before_ftkit"] > 0.05  # python + torch import, measured from /proc/self/stat
+        assert row["buckets"]["restart"] == pytest.approx(sum(parts.values()))
+    assert rows[1]["restart_parts"]["find"] > 0 and rows[1]["restart_parts"]["load"] > 0
+    assert report["between_runs"] >= 1.0  # the two pauses "in the queue"
+
+    # goodput from the buckets
+    assert report["goodput"] == pytest.approx(buckets["productive"] / report["wall"])
+    assert report["goodput_with_queue"] == pytest.approx(
+        buckets["productive"] / (report["wall"] + report["between_runs"]))
+    assert report["lost_gpu_hours"] == pytest.approx(4 * (report["wall"] - buckets["productive"]) / 3600)
+    assert report["interval"]["failures"] == 1 and report["interval"]["recommended"] > 0
+
+    # progress records are timed, not per step: at most one per 0.1 s of each run
+    records = [e for e in read_events(jobdir / "events.jsonl") if e["event"] == "progress" and "stall" not in e]
+    assert 0 < len(records) <= sum(r.wall for r in runs) / 0.1 + 3 * len(runs)
+
+    # the human-readable report says the same
+    text = ftkit_cli("report", str(jobdir), "--gpus-per-node", "8").stdout
+    assert "goodput" in text and "re-done work" in text and "GPU-hours lost" in text
+    assert "killed (no exit record)" in text
+
+
+def test_report_on_a_previous_release_log_says_what_it_cannot_know(tmp_path: Path) -> None:
+    """tests/data/previous-release-events.jsonl: three `ftkit demo` runs of main at 122984e (the
+    release before this report), made by tests/data/previous-release-events.sh: SLURM job 1001,
+    run 0 killed with kill -9 after its checkpoint at 200, run 1 resumed and stopped by SIGUSR1
+    at 402, run 2 completed 600 steps."""
+    jobdir = tmp_path / "old"
+    jobdir.mkdir()
+    shutil.copy(DATA / "previous-release-events.jsonl", jobdir / "events.jsonl")
+    report = json.loads(ftkit_cli("report", str(jobdir), "--json").stdout)
+    rows = report["runs"]
+    assert [r["restart_count"] for r in rows] == [0, 1, 2]
+    assert [r["cause"] for r in rows] == ["killed (no exit record)", "requeue: SIGUSR1 received", "completed"]
+    assert [r["resumed_from"] for r in rows] == [None, 200, 402]
+    assert [r["last_step"] for r in rows] == [200, 402, 600]
+    assert all(r["process_start"] is None and r["first_step"] is None for r in rows)
+    assert sum(report["buckets"].values()) == pytest.approx(report["wall"])
+    assert report["restart_parts"]["before_ftkit"] == 0.0
+    assert report["lost_gpu_hours"] is None
+    assert any("written before ftkit recorded timing facts" in n for n in report["notes"])
+    assert any("GPUs per node unknown" in n for n in report["notes"])
+    text = ftkit_cli("report", str(jobdir)).stdout
+    assert "note: written before ftkit recorded timing facts" in text
+
+
+def test_report_plot_draws_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    jobdir = tmp_path / "old"
+    jobdir.mkdir()
+    shutil.copy(DATA / "previous-release-events.jsonl", jobdir / "events.jsonl")
+    out = tmp_path / "timeline.png"
+    ftkit_cli("report", str(jobdir), "--plot", str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_report_errors_name_the_problem(tmp_path: Path) -> None:
+    missing = subprocess.run([sys.executable, "-m", "ftkit", "report", str(tmp_path / "nope")],
+                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert missing.returncode != 0 and "does not exist" in missing.stderr
+    empty = subprocess.run([sys.executable, "-m", "ftkit", "report", str(tmp_path)],
+                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert empty.returncode != 0 and "no run" in empty.stderr
+
+
+def test_report_cli_help_stays_light() -> None:
+    code = ("import sys\nfrom ftkit.cli import main\ntry:\n    main(['report', '--help'])\nexcept SystemExit:\n"
+            "    pass\nprint('HEAVY' if {'torch', 'matplotlib'} & set(sys.modules) else 'LIGHT')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    assert "--plot" in out and out.strip().endswith("LIGHT")
+
+
+def _records(*runs: list[tuple[str, dict]]) -> list[dict]:
+    out, t = [], 1000.0
+    for pid, run in enumerate(runs, start=1):
+        for kind, fields in run:
+            t += 10.0
+            out.append({"time": t, "event": kind, "rank": 0, "pid": pid, **fields})
+    return out
+
+
+def test_unplanned_interruptions_are_crashes_kills_and_hangs_not_time_limits() -> None:
+    from ftkit.report import parse_runs
+
+    start = ("start", {"process_start": 0.0})
+    log = _records(
+        [start, ("exit", {"step": 5, "requeue": True, "reasons": ["time budget"]}),
+         ("requeue", {"cause": "time limit", "requeue": True})],
+        [start, ("exit", {"step": 9, "error": "RuntimeError: boom"})],
+        [start, ("progress", {"step": 12})],
+        [start, ("hang", {"step": 15}), ("requeue", {"cause": "crash", "requeue": True})],
+        [start, ("exit", {"step": 20, "requeue": True, "reasons": ["SIGUSR1 received"]})],
+        [start, ("exit", {"step": 30, "completed": True})],
+    )
+    runs = parse_runs(log)
+    assert [r.cause for r in runs] == ["time limit", "crash: RuntimeError: boom", "killed (no exit record)",
+                                       "hang (watchdog)",
+                                       "requeue: SIGUSR1 received", "completed"]
+    assert [r.unplanned for r in runs] == [False, True, True, True, False, False]
+    assert runs[2].end == runs[2].events[-1]["time"] and runs[2].last_step == 12
+
+
+def test_a_run_still_going_is_reported_as_running_not_killed(tmp_path: Path) -> None:
+    jobdir = tmp_path / "live"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(PROGRAM), str(jobdir), "100000", "0.01", "50", "--progress", "0.1"],
+                            env=env)
+    try:
+        wait_for(lambda: progress_count(jobdir) >= 2, 90, what="progress records of the live run")
+        row = json.loads(ftkit_cli("report", str(jobdir), "--json").stdout)["runs"][-1]
+        assert row["cause"] == "running (no exit record yet)" and not row["unplanned"]
+    finally:
+        proc.kill()
+        proc.wait()
+    row = json.loads(ftkit_cli("report", str(jobdir), "--json").stdout)["runs"][-1]
+    assert row["cause"] == "killed (no exit record)" and row["unplanned"]
