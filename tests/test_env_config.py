@@ -48,6 +48,7 @@ def test_off_values(tmp_path):
     assert not cfg.signals.enabled and cfg.watch.mode == "off" and cfg.save_every is None
     assert cfg.checkpoint.keep_last is None
     assert config_from_env({"FTKIT_DEADLINE": "1893456000"}).budget.deadline == 1893456000.0
+    assert config_from_env({"FTKIT_SAVE_EVERY": " Auto "}).save_every == "auto"
 
 
 @pytest.mark.parametrize(

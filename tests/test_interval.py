@@ -139,6 +139,30 @@ def test_auto_in_a_run_follows_the_measured_cost(tmp_path: Path) -> None:
     assert records[2]["step"] == 291
 
 
+def test_auto_with_saves_written_outside_ftkit(tmp_path: Path) -> None:
+    """An integration whose framework writes the checkpoint (Hugging Face) asks ``periodic_due``
+    and reports the save with ``saved``: the interval is re-planned from that save, so the next
+    periodic save comes one interval later, not at every step."""
+    clock = FakeClock()
+    wall = lambda: 1.7e9 + clock.t  # noqa: E731
+    cfg = ftkit.Config(save_every="auto", save_at_end=False, budget=ftkit.BudgetConfig(enabled=False),
+                       interval=IntervalConfig(mtbf=3600.0, first_after=50.0, max_interval=1000.0))
+    saves = []
+    with ftkit.FaultTolerance(tmp_path, config=cfg, clock=clock, wallclock=wall) as ft:
+        ft.check(0)
+        for step in range(1, 400):
+            clock.t += 1.0  # one step: 1 s of fake time
+            decision = ft.check(step)
+            assert not decision.save
+            if ft.periodic_due(step):
+                clock.t += 2.0  # the framework's save: 2 s
+                saves.append(step)
+                ft.saved(step, seconds=2.0)
+    # 50 s before any save was measured, then sqrt(2 * 2 * 3600) = 120 s of 1 s steps
+    assert saves == [51, 171, 291]
+    assert [e["steps"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "interval"] == [50, 120]
+
+
 def test_ranks_with_different_step_times_agree_on_one_interval(tmp_path: Path) -> None:
     """Alone, rank 0 (1 s steps) would save every 120 steps and rank 1 (2 s steps) every 60;
     they agree on the larger count, so both save at the same steps (a synchronous save with

@@ -355,21 +355,24 @@ class FaultTolerance:
         if self._background:
             self._poll_background(step)
         decision = self.check(step)
-        if self._auto is None:
-            periodic = (
-                self.config.save_every is not None
-                and step % self.config.save_every == 0
-                and not self._no_save_at_start
-            )
-        else:
-            periodic = step >= self._auto.next_step and not self._no_save_at_start
-            if self._auto.steps is None and not periodic:  # the first step: a step time to plan with
-                step_time = self.runclock.step_time()
-                if step_time is not None:
-                    self._auto.schedule(step, step_time=step_time)
-        if decision.save or (periodic and not decision.exit):
+        if decision.save or (self.periodic_due(step) and not decision.exit):
             self.save(step, decision=decision if decision.save else None)
         return decision
+
+    def periodic_due(self, step: int) -> bool:
+        """Whether a periodic checkpoint (``save_every``: a fixed step count, or ``"auto"``) is
+        due at ``step``; the same answer on every rank. Integrations whose framework writes the
+        checkpoint ask this instead of computing it, then report the save with ``saved``."""
+        if self.config.save_every is None or self._no_save_at_start:
+            return False
+        if self._auto is None:
+            return step % self.config.save_every == 0
+        due = step >= self._auto.next_step
+        if self._auto.steps is None and not due:  # the first step: a step time to plan with
+            step_time = self.runclock.step_time()
+            if step_time is not None:
+                self._auto.schedule(step, step_time=step_time)
+        return due
 
     def range(self, total: int, *, start: int | None = None) -> Iterator[int]:
         """Yield the steps still to do (after resuming), acting on decisions between them.
@@ -468,14 +471,12 @@ class FaultTolerance:
                 raise
             log.warning("checkpoint at step %d failed, training continues: %s", step, exc)
             return None
-        seconds = self._clock() - began
+        stall = self._clock() - began
         exiting = bool(decision is not None and decision.exit) or reason == "end of training"
-        self.runclock.saved(step, seconds, exiting=exiting)
-        if self._auto is not None and not exiting:
-            self._replan(step, seconds)
+        seconds = stall
         if self._background:  # the budget needs the time until durable, not the stall
-            seconds = max(seconds, getattr(self.checkpoints, "last_persist_seconds", None) or 0.0)
-        self.saved(step, seconds=seconds, decision=decision)
+            seconds = max(stall, getattr(self.checkpoints, "last_persist_seconds", None) or 0.0)
+        self._saved(step, seconds=seconds, stall=stall, decision=decision, exiting=exiting)
         return info
 
     def _auto_interval(self) -> AutoInterval:
@@ -524,6 +525,16 @@ class FaultTolerance:
         """Record that a checkpoint of ``step`` is durable, for checkpoints written outside
         ``save`` (integrations whose framework writes the files): times it for the budget,
         and removes the save-switch and request files the decision acted on."""
+        self._saved(step, seconds=seconds, stall=seconds, decision=decision,
+                    exiting=decision is not None and decision.exit)
+
+    def _saved(self, step: int, *, seconds: float, stall: float, decision: Decision | None,
+               exiting: bool) -> None:
+        """Every durable checkpoint, written by ``save`` or reported to ``saved``: the report's
+        stall, the auto interval's next step, the budget, and the files the decision consumes."""
+        self.runclock.saved(step, stall, exiting=exiting)
+        if self._auto is not None and not exiting:
+            self._replan(step, stall)
         ended = self._clock()
         self._last_save_end = ended
         self._last_check = ended  # a save is not part of the next step's time

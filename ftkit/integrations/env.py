@@ -11,7 +11,7 @@ without touching the training script. Every integration reads the same variables
 ``FTKIT_AGREE_EVERY``       agree across ranks every N steps (>= 1)
 ``FTKIT_DEADLINE``          UNIX seconds or ISO-8601 time the job must end by
 ``FTKIT_BUDGET_MARGIN``     seconds kept free after the last save (>= 0)
-``FTKIT_SAVE_EVERY``        also save every N steps (>= 1); ``off``: only on request
+``FTKIT_SAVE_EVERY``        also save every N steps (>= 1); ``auto``: measured interval; ``off``: only on request
 ``FTKIT_KEEP_LAST``         keep the newest N valid checkpoints; ``all`` keeps every one
 ==========================  =============================================================
 
@@ -161,7 +161,9 @@ def config_from_env(
         kw["budget"] = BudgetConfig(**budget)
 
     if (text := _get(environ, "FTKIT_SAVE_EVERY")) is not None:
-        kw["save_every"] = None if text.lower() in _OFF else _positive_int("FTKIT_SAVE_EVERY", text)
+        lowered = text.strip().lower()
+        kw["save_every"] = (None if lowered in _OFF else "auto" if lowered == "auto"
+                            else _positive_int("FTKIT_SAVE_EVERY", text))
 
     if (text := _get(environ, "FTKIT_KEEP_LAST")) is not None:
         from ..checkpoint import CheckpointConfig

@@ -174,9 +174,9 @@ class FtkitCallback(TrainerCallback):
             self._reason = "; ".join(decision.reasons)
         elif decision.exit:
             control.should_save = False  # exit without saving (kill-switch present at start)
-        elif every is not None and step % every == 0 and not self.ft.stopping:
+        elif every is not None and not self.ft.stopping and self.ft.periodic_due(step):
             control.should_save = True
-            self._reason = f"periodic (every {every} steps)"
+            self._reason = f"periodic (every {every} steps)" if every != "auto" else "periodic (auto interval)"
         if control.should_save and not self._wrapped:
             self._arm(args, step)
 
