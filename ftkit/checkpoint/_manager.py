@@ -32,7 +32,7 @@ from ._comm import Comm
 from ._config import CheckpointConfig, CheckpointInfo
 from ._files import atomic_write_bytes, fsync_dir
 from ._layout import DCP_DIR, LATEST, PIN, SENTINEL, list_step_dirs, rank_file, step_name
-from ._manifest import build_manifest, validate_dir, verify_files, write_manifest
+from ._manifest import build_manifest, validate_dir, verify_files, verify_share, write_manifest
 from ._pins import pin_checkpoint, unpin_checkpoint
 from ._retention import delete_checkpoint, plan_retention
 from ._single import WriteProgress, read_state_file, write_state_file
@@ -312,8 +312,9 @@ class Checkpointer:
         info = validate_dir(path)
         problem = "" if info.valid else f"{info.status}: {info.reason}"
         if not problem and self.comm.distributed and self.config.verify_on_load:
-            mine = sorted(info.files)[self.rank :: self.world_size]
-            problem = verify_files(path, info.files, mine)
+            skip = [n for n in info.files if n.startswith("rank-")]  # checked as they are read
+            mine = verify_share(info.files, self.rank, self.world_size, skip=skip)
+            problem = verify_files(path, info.files, mine, cache=True)
         problems = [p for p in self.comm.gather(problem) if p]
         return problems[0] if problems else ""
 
@@ -331,8 +332,8 @@ class Checkpointer:
         problem = ""
         payload: dict[str, Any] = {}
         try:
-            verify = self.config.verify_on_load and not self.comm.distributed
-            payload = read_state_file(path, name, info.files[name], verify=verify, mmap=True)
+            payload = read_state_file(path, name, info.files[name], verify=self.config.verify_on_load,
+                                      mmap=True, direct=self.config.direct_io)
         except (CheckpointError, KeyError) as exc:
             problem = str(exc)
         problems = [p for p in self.comm.gather(problem) if p]
