@@ -36,7 +36,7 @@ from ._files import CHECKSUM, crc32
 
 __all__ = ["CHUNK", "DEPTH", "FileProblem", "check_file", "read_file"]
 
-CHUNK = 16 << 20  # one request (the staging buffer's size; the device's best size here)
+CHUNK = 16 << 20  # one request: whole blocks, at most a staging buffer (the device's best size here)
 DEPTH = 4  # requests in flight: a queue deep enough for an NVMe or virtio disk to stream
 
 
@@ -162,33 +162,25 @@ def _piece(view: memoryview, i: int) -> memoryview:
 def read_file(
     path: Path, meta: Mapping[str, Any], *, verify: bool = True, direct: bool | None = None
 ) -> tuple[Any, memoryview]:
-    """The whole of ``path`` in fresh page-aligned memory: ``(mapping, view of its bytes)``;
-    the caller closes the mapping once nothing uses it.
+    """The whole of ``path`` in fresh page-aligned memory: ``(mapping, view of its bytes)``.
 
     Raises :class:`FileProblem` unless the file has the manifest entry's size and, with
     ``verify``, its CRC-32 (checked as the pieces arrive, so no byte is read twice). ``direct``
     as ``checkpoint.direct_io``: None uses ``O_DIRECT`` where the filesystem accepts it."""
     name = path.name
     size, want = _expected(name, meta)
-    mapping, whole = read_buffer(size)
+    mapping, whole = read_buffer(size)  # freed with the last view of it, also on an error
     try:
+        source = _open(path, name, size, direct=direct, cache=False)
         try:
-            source = _open(path, name, size, direct=direct, cache=False)
-            try:
-                crc = _stream(source, size, lambda i: _piece(whole, i), window=2 * DEPTH)
-            finally:
-                source.close()
-        except OSError as exc:
-            raise FileProblem(f"cannot read {name}: {exc.strerror or exc}") from exc
-        if verify:
-            _check_crc(name, crc, want)
-    except BaseException:
-        whole.release()
-        mapping.close()
-        raise
-    view = whole[:size]
-    whole.release()
-    return mapping, view
+            crc = _stream(source, size, lambda i: _piece(whole, i), window=2 * DEPTH)
+        finally:
+            source.close()
+    except OSError as exc:
+        raise FileProblem(f"cannot read {name}: {exc.strerror or exc}") from exc
+    if verify:
+        _check_crc(name, crc, want)
+    return mapping, whole[:size]
 
 
 def check_file(
@@ -205,7 +197,7 @@ def check_file(
     try:
         source = _open(path, name, size, direct=direct, cache=cache)
         try:
-            crc = _stream(source, size, lambda i: stages[i % len(stages)][0], window=len(stages))
+            crc = _stream(source, size, lambda i: stages[i % len(stages)][0][:CHUNK], window=len(stages))
         finally:
             source.close()
     except OSError as exc:
