@@ -244,6 +244,79 @@ def _direct_written(path: Path) -> bool:
     return bool(offsets) and all(o % 4096 == 0 for o in offsets)
 
 
+_READ_CHUNK = 16 << 20  # the raw read's request size (ftkit's reader reads in the same pieces)
+
+
+def _raw_read(files: list[Path], buf: memoryview, *, depth: int = 1) -> float:
+    """Seconds to read ``files`` with O_DIRECT into one reused page-aligned 16 MiB buffer, as
+    ``dd iflag=direct bs=16M`` does (``depth=1``), or with ``depth`` reads in flight on threads
+    (``depth`` pieces of the buffer): the device's sequential read bandwidth, nothing kept."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    piece = len(buf) // depth
+
+    def read(fd: int, slot: int, off: int) -> int:
+        return os.preadv(fd, [buf[slot * piece : (slot + 1) * piece]], off)
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(depth) as pool:
+        for path in files:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            try:
+                offsets = range(0, os.fstat(fd).st_size, piece)
+                if depth == 1:
+                    for off in offsets:
+                        read(fd, 0, off)
+                else:
+                    list(pool.map(read, [fd] * len(offsets), [i % depth for i in range(len(offsets))], offsets))
+            finally:
+                os.close(fd)
+    return time.perf_counter() - t
+
+
+def _load_rounds(load, files: list[Path], rounds: int, settle_s: float, *, comm: bool = False) -> dict:
+    """``rounds`` rounds of a cold load and of the raw cold reads of the same ``files`` (one
+    sequential, one with 4 reads in flight), rotating order, each after ``_settle`` (sync, drop
+    the page cache, pause): the same bytes from the same cold cache, side by side.
+
+    ``comm`` (several ranks, ``torch.distributed`` initialised): rank 0 drops the cache, every rank loads,
+    or reads its own ``files``, at the same time; a round's time is from a barrier before to a
+    barrier after."""
+    import torch.distributed as dist
+
+    buf = _huge_copy(memoryview(bytes(_READ_CHUNK)))  # page-aligned, touched before timing
+    times: dict[str, list[float]] = {"load": [], "read1": [], "read4": []}
+    kinds = list(times)
+    dropped = False
+    for i in range(rounds):
+        for what in kinds[i % 3:] + kinds[: i % 3]:
+            if not comm or dist.get_rank() == 0:
+                dropped = _settle(settle_s)
+            if comm:
+                dist.barrier()
+            t = time.perf_counter()
+            if what == "load":
+                load()
+            else:
+                _raw_read(files, buf, depth=int(what[-1]))
+            if comm:
+                dist.barrier()
+            times[what].append(time.perf_counter() - t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    nbytes = sum(f.stat().st_size for f in files)
+    if comm:  # the bytes all ranks read
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, nbytes)
+        nbytes = sum(parts)
+    return {"load_s": med["load"], "load_runs": times["load"], "read_s": min(med["read1"], med["read4"]),
+            "read1_runs": times["read1"], "read4_runs": times["read4"], "read_bytes": nbytes,
+            "load_dropped_caches": dropped}
+
+
+def _files_under(path: Path) -> list[Path]:
+    return sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())
+
+
 def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float = 3.0) -> dict:
     import torch
 
@@ -277,10 +350,8 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
             os.fsync(f.fileno())
         out["stall_s"] = out["persist_s"] = time.perf_counter() - t
         out["peak_extra"] = _status("VmHWM") - base
-        _settle(settle_s)
-        t = time.perf_counter()
-        torch.load(path, weights_only=True)
-        out["load_s"] = time.perf_counter() - t
+        out.update(_load_rounds(lambda: torch.load(path, weights_only=True), [path],
+                                min(rounds, 5), settle_s))
     elif variant in ("dcp", "dcp-async"):
         import torch.distributed.checkpoint as dcp
 
@@ -299,10 +370,8 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
         out["persist_s"] = time.perf_counter() - t
         out["peak_extra"] = _status("VmHWM") - base
         target = state_dicts()
-        _settle(settle_s)
-        t = time.perf_counter()
-        dcp.load(target, checkpoint_id=path, no_dist=True)
-        out["load_s"] = time.perf_counter() - t
+        out.update(_load_rounds(lambda: dcp.load(target, checkpoint_id=path, no_dist=True),
+                                _files_under(path), min(rounds, 5), settle_s))
     elif variant in ("ftkit-async", "ftkit-shm"):
         from ftkit.checkpoint import CheckpointConfig, make_manager
         from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
@@ -385,14 +454,76 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
             out["raw_bytes"] = raw_bytes
         finally:
             mgr.close()
-        _settle(settle_s)
-        t = time.perf_counter()
-        assert make_manager(cfg).load(state) == 1 + 2 * rounds
-        out["load_s"] = time.perf_counter() - t
+        last = 1 + 2 * rounds
+
+        def load() -> None:
+            assert make_manager(cfg).load(state) == last
+
+        out.update(_load_rounds(load, _files_under(work / "ck" / f"step-{last:08d}"), min(rounds, 5),
+                                settle_s))
     elif variant == "loop":
         out.update(_loop(model, opt, work))
     if variant == "copy":
         out["peak_extra"] = _status("VmHWM") - base
+    return out
+
+
+def worker_2ranks(variant: str, gb: float, work: Path, rounds: int, settle_s: float) -> dict:
+    """One of two ranks (gloo on 127.0.0.1) holding half of the state each, as shards: each
+    rank's layers have names of their own, so DCP writes each rank's tensors to that rank's
+    file and each rank reads back only its own (a sharded checkpoint, without FSDP on a CPU).
+    ``ftkit-dcp2``: ftkit's Checkpointer with world_size=2 (state files + DCP + manifest);
+    ``dcp2``: plain ``dcp.save``/``dcp.load``. The raw read: each rank its own files at once
+    (``rank-R.pt`` and ``dcp/__R_*.distcp``; rank 0 also the rest), as the load needs them."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(rank)
+    layers = max(1, round(gb * 1e9 / BYTES_PER_LAYER / 2))
+    model = torch.nn.ModuleDict({f"r{rank}_{i}": torch.nn.Linear(LAYER, LAYER) for i in range(layers)})
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    state = {"model": model, "optimizer": opt}
+    out: dict = {"variant": variant, "bytes": 2 * sum(p.numel() * 4 * 3 for p in model.parameters())}
+
+    def mine(step_dir: Path) -> list[Path]:
+        every = _files_under(step_dir)
+        own = [p for p in every if p.name == f"rank-{rank:05d}.pt" or p.name.startswith(f"__{rank}_")]
+        if rank == 0:  # the rest (.metadata, manifest.json)
+            own += [p for p in every if not p.name.startswith(("rank-", "__"))]
+        return own
+
+    if variant == "ftkit-dcp2":
+        from ftkit.checkpoint import CheckpointConfig, make_manager
+
+        cfg = CheckpointConfig(root=work / "ck", keep_last=None)
+        make_manager(cfg, rank=rank, world_size=2).save(1, state)
+
+        def load() -> None:
+            assert make_manager(cfg, rank=rank, world_size=2).load(state) == 1
+
+        files = mine(work / "ck" / "step-00000001")
+    else:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        path = work / "dcp"
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        dist.barrier()
+
+        def load() -> None:
+            target_m, target_o = get_state_dict(model, opt)
+            dcp.load({"model": target_m, "optim": target_o}, checkpoint_id=path)
+
+        files = mine(path)
+    out.update(_load_rounds(load, files, rounds, settle_s, comm=True))
+    dist.barrier()
     return out
 
 
@@ -500,7 +631,9 @@ def _loop(model, opt, work: Path, rounds: int = 3) -> dict:
 
 
 # ---------------------------------------------------------------- driver
-VARIANTS = ["raw-write", "copy", "torch.save", "dcp", "dcp-async", "ftkit-async", "ftkit-shm", "loop"]
+VARIANTS = ["raw-write", "copy", "torch.save", "dcp", "dcp-async", "ftkit-async", "ftkit-shm", "ftkit-dcp2", "dcp2",
+            "loop"]
+TWO_RANKS = ("ftkit-dcp2", "dcp2")
 
 
 def run_variant(variant: str, gb: float, base_dir: Path, rounds: int, settle_s: float, device: str = "cpu") -> dict:
@@ -508,14 +641,29 @@ def run_variant(variant: str, gb: float, base_dir: Path, rounds: int, settle_s: 
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if variant == "loop":  # freed memory stays in the heap for the next step (see _loop)
         env.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(1 << 40))
+    argv = [sys.executable, __file__, "--worker", variant, "--size", str(gb), "--dir", str(work),
+            "--rounds", str(rounds), "--settle", str(settle_s), "--device", device]
+    ranks = 2 if variant in TWO_RANKS else 1
+    if ranks > 1:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = str(sock.getsockname()[1])
+        env.update(WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(env, RANK=str(r))) for r in range(ranks)]
     try:
-        r = subprocess.run([sys.executable, __file__, "--worker", variant, "--size", str(gb), "--dir", str(work),
-                            "--rounds", str(rounds), "--settle", str(settle_s), "--device", device],
-                           capture_output=True, text=True, env=env, timeout=1800)
-        if r.returncode != 0:
-            return {"variant": variant, "error": (r.stderr or r.stdout).strip().splitlines()[-1:]}
-        return json.loads(r.stdout.strip().splitlines()[-1])
+        outs = [p.communicate(timeout=1800) for p in procs]
+        for p, (stdout, stderr) in zip(procs, outs, strict=True):
+            if p.returncode != 0:
+                return {"variant": variant, "error": (stderr or stdout).strip().splitlines()[-1:]}
+        return json.loads(outs[0][0].strip().splitlines()[-1])
     finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -583,11 +731,38 @@ def report(gb: float, res: dict[str, dict]) -> list[dict]:
         if "peak_extra" in r:
             q = r["peak_extra"] / size
             goal(f"{name} peak extra host memory / state size (<= 2)", q, q <= 2)
+    _report_loads(res, goal)
     if abs(gb - 1) < 1e-9 and "stall_s" in a and "stall_s" in ts:
         q = ts["stall_s"] / a["stall_s"]
         goal("torch.save+fsync stall / ftkit-async stall at 1 GB (>= 5)", q, q >= 5)
     _ = gib
     return goals
+
+
+def _report_loads(res: dict[str, dict], goal) -> None:
+    """Cold resume: each load against the raw cold read of the same files in the same process."""
+    rows = [(v, res[v]) for v in ("torch.save", "dcp", "ftkit-async", "ftkit-shm", "ftkit-dcp2", "dcp2")
+            if "load_runs" in res.get(v, {})]
+    if not rows:
+        return
+    print("  cold resume, side by side with an O_DIRECT read of the same files (16 MiB reads, 1 or 4 in "
+          "flight), caches dropped before each; medians (runs):")
+    for v, r in rows:
+        mb = r["read_bytes"] / 1e6
+        print(f"    {v:<11} load {r['load_s']:.3f}s ({_runs(r['load_runs'])}) = {mb / r['load_s']:5.0f} MB/s; "
+              f"raw read {mb / r['read_s']:5.0f} MB/s (1: {_runs(r['read1_runs'])}; 4: {_runs(r['read4_runs'])}); "
+              f"load / read {r['read_s'] / r['load_s']:.2f}")
+    for name, others in (("ftkit-async", ("torch.save", "dcp")), ("ftkit-dcp2", ("dcp2",))):
+        r = res.get(name, {})
+        if "load_runs" not in r:
+            continue
+        q = r["read_s"] / r["load_s"]
+        goal(f"{name} cold load / raw cold read of the same bytes, side by side (>= 0.8)", q, q >= 0.8)
+        for other in others:
+            o = res.get(other, {})
+            if "load_s" in o:
+                q = o["load_s"] / r["load_s"]
+                goal(f"{other} load time / {name} load time (> 1: ftkit faster)", q, q > 1)
 
 
 def main() -> int:
@@ -609,6 +784,11 @@ def main() -> int:
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
+    if args.worker in TWO_RANKS:
+        res = worker_2ranks(args.worker, args.size, Path(args.dir), min(args.rounds or 7, 5), args.settle)
+        print(json.dumps(res))
+        sys.stdout.flush()
+        os._exit(0)  # gloo objects torn down at interpreter exit can abort the process
     if args.worker:
         print(json.dumps(worker(args.worker, args.size, Path(args.dir), args.rounds or 7, args.settle)))
         return 0

@@ -1,21 +1,23 @@
-"""Loading maps the state file instead of copying it, and nothing live stays backed by it.
+"""Loading parses the bytes read in place instead of copying them, and nothing live keeps them.
 
-A tensor a live object keeps (optimizer state, a new dict entry, a tensor of another shape)
-would otherwise hold the file's pages and its disk space after retention deletes it; the
-tests read /proc/self/maps to see whether any mapping of the file is left after ``load``.
+The state file is read once into a fresh buffer and parsed there (its tensors are views of
+the buffer, not copies). A tensor a live object keeps (optimizer state, a new dict entry, a
+tensor of another shape) would otherwise hold the whole buffer; the tests check that every
+live tensor lies outside it, that the buffer is freed after ``load``, and (/proc/self/maps)
+that no mapping of the file exists, so retention deleting it frees its space.
 """
 
 from __future__ import annotations
 
 import gc
-import logging
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
-from ftkit.checkpoint import CheckpointConfig, _single, make_manager
+from ftkit.checkpoint import CheckpointConfig, _reader, _single, make_manager
 
 
 def _mapped(path: Path) -> list[str]:
@@ -37,19 +39,41 @@ def _state(model, opt, extra):
     return {"model": model, "optimizer": opt, "extra": extra, "table": {"a": torch.zeros(3)}}
 
 
-def _spy_mmap(monkeypatch) -> list[bool]:
-    calls: list[bool] = []
-    real = _single.torch.load
+def _spy_read(monkeypatch) -> dict[str, list]:
+    """Record ``torch.load`` calls (none: the buffer is parsed in place) and every read buffer."""
+    seen: dict[str, list] = {"torch.load": [], "buffers": []}
+    real_load, real_buffer = _single.torch.load, _reader.read_buffer
 
     def load(*args, **kwargs):
-        calls.append(bool(kwargs.get("mmap")))
-        return real(*args, **kwargs)
+        seen["torch.load"].append(args)
+        return real_load(*args, **kwargs)
+
+    def read_buffer(nbytes):
+        mapping, view = real_buffer(nbytes)
+        start = _single.torch.frombuffer(mapping, dtype=_single.torch.uint8).data_ptr()
+        seen["buffers"].append((weakref.ref(mapping), start, start + nbytes))
+        return mapping, view
 
     monkeypatch.setattr(_single.torch, "load", load)
-    return calls
+    monkeypatch.setattr(_reader, "read_buffer", read_buffer)
+    return seen
 
 
-def test_resume_maps_the_file_and_keeps_no_mapping_of_it(tmp_path, monkeypatch):
+def _live_tensors(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, torch.optim.Optimizer):
+        return _live_tensors(obj.state_dict())
+    if isinstance(obj, torch.nn.Module):
+        return list(obj.state_dict().values())
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _live_tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _live_tensors(v)]
+    return []
+
+
+def test_resume_parses_the_read_buffer_in_place_and_keeps_none_of_it(tmp_path, monkeypatch):
     model, opt = _trained()
     saved_state = _state(model, opt, torch.arange(5.0))
     saved_state["table"]["b"] = torch.full((2,), 7.0)  # a key the resumed dict lacks: adopted
@@ -59,15 +83,19 @@ def test_resume_maps_the_file_and_keeps_no_mapping_of_it(tmp_path, monkeypatch):
         "model": {k: v.clone() for k, v in model.state_dict().items()},
         "exp_avg": [opt.state[p]["exp_avg"].clone() for p in model.parameters()],
     }
-    calls = _spy_mmap(monkeypatch)
+    seen = _spy_read(monkeypatch)
 
     # a new process's view: fresh model, an optimizer without state, a tensor of another shape
     fresh_model, _ = _trained(seed=1)
     fresh_opt = torch.optim.Adam(fresh_model.parameters(), lr=1e-2)
     state = _state(fresh_model, fresh_opt, torch.zeros(2))
     assert make_manager(CheckpointConfig(root=tmp_path)).load(state) == 3
-    assert calls == [True]
+    assert seen["torch.load"] == [] and len(seen["buffers"]) == 1  # one read, parsed in place
+    buffer, start, end = seen["buffers"][0]
+    live = _live_tensors(state)
+    assert len(live) > 8 and all(not start <= t.data_ptr() < end for t in live)
     gc.collect()
+    assert buffer() is None  # freed: nothing live holds it
     assert _mapped(tmp_path) == []
 
     for k, v in fresh_model.state_dict().items():
@@ -101,28 +129,9 @@ def test_reload_mid_run_copies_into_the_optimizers_own_tensors(tmp_path):
             assert torch.equal(opt.state[p][k], v), k
 
 
-def test_a_file_that_cannot_be_mapped_is_read_with_a_warning(tmp_path, monkeypatch, caplog):
-    model, opt = _trained()
-    make_manager(CheckpointConfig(root=tmp_path)).save(2, _state(model, opt, torch.zeros(2)))
-    want = {k: v.clone() for k, v in model.state_dict().items()}
-
-    def no_mmap(*args, **kwargs):  # what a filesystem without mmap support answers
-        raise OSError(19, "No such device")
-
-    monkeypatch.setattr(_single._mmap, "mmap", no_mmap)
-    calls = _spy_mmap(monkeypatch)
-    fresh, _ = _trained(seed=1)
-    with caplog.at_level(logging.WARNING, logger="ftkit.checkpoint._single"):
-        state = _state(fresh, torch.optim.Adam(fresh.parameters()), torch.zeros(2))
-        assert make_manager(CheckpointConfig(root=tmp_path)).load(state) == 2
-    assert calls == [False]
-    assert "cannot memory-map" in caplog.text and "rank-00000.pt" in caplog.text
-    assert all(torch.equal(v, want[k]) for k, v in fresh.state_dict().items())
-
-
 @pytest.mark.parametrize("live", ["module", "tensor"])
 def test_what_restore_copies_is_not_cloned_first(tmp_path, live):
-    # the mapped tensors restore copies from are passed through as they are (no extra copy)
+    # the buffer's tensors restore copies from are passed through as they are (no extra copy)
     from ftkit.checkpoint._state import own_tensors
 
     saved = {"x": torch.ones(4)}

@@ -38,8 +38,8 @@ class CheckpointConfig:
     """Optional ``"pkg.module:Class"`` implementing CheckpointManager instead of the default."""
 
     verify_on_load: bool = True
-    """Check every file's CRC-32 against the manifest before loading it (one sequential read, which
-    also brings the file into the page cache that the memory-mapped load then uses)."""
+    """Check every file's CRC-32 against the manifest before anything of it is restored (computed
+    as the file is read for the load, so no extra read)."""
 
     fsync: bool = True
     """fsync files and directories during the commit. Turn off only for throwaway tests."""

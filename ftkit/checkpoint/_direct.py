@@ -55,7 +55,17 @@ from typing import Any
 
 from ..errors import CheckpointError
 
-__all__ = ["BLOCK", "DirectFile", "address", "aligned_empty", "aligned_like", "open_direct", "set_bounce"]
+__all__ = [
+    "BLOCK",
+    "DirectFile",
+    "address",
+    "aligned_empty",
+    "aligned_like",
+    "open_direct",
+    "open_direct_read",
+    "read_buffer",
+    "set_bounce",
+]
 
 log = logging.getLogger(__name__)
 
@@ -354,3 +364,63 @@ class DirectFile:
         for stage in self._stages:
             stage.release()
         os.close(self._fd)
+
+
+# ---------------------------------------------------------------- reading
+
+
+def open_direct_read(path: Path, *, required: bool = False) -> int | None:
+    """A descriptor of ``path`` open for reading with ``O_DIRECT``, or None where its filesystem
+    refuses it (logged once per filesystem, as for writes) and ``required`` is false, else
+    :class:`CheckpointError` naming ``checkpoint.direct_io``. Errors other than a refusal
+    (``ENOENT``, ``EACCES``, ...) are raised as they are."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        if required:
+            raise CheckpointError(
+                f"checkpoint.direct_io=True but this platform has no O_DIRECT (reading {path}); "
+                "set checkpoint.direct_io to None (use it where available) or False"
+            )
+        return None
+    if _refused and not required and os.stat(path.parent).st_dev in _refused:
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | flag)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        if required:
+            raise CheckpointError(
+                f"checkpoint.direct_io=True but the filesystem of {path} refuses O_DIRECT "
+                f"({exc.strerror}); set checkpoint.direct_io to None (use it where available) or False"
+            ) from exc
+        dev = os.stat(path.parent).st_dev
+        if dev not in _refused:
+            log.info("the filesystem of %s refuses O_DIRECT (%s); checkpoints there are read "
+                     "through the page cache", path.parent, exc.strerror)
+        _refused[dev] = exc.strerror or str(exc)
+        return None
+
+
+def read_buffer(nbytes: int) -> tuple[mmap.mmap, memoryview]:
+    """Fresh private memory to read a file of ``nbytes`` into with ``O_DIRECT``: page-aligned,
+    its length rounded up to whole blocks (a direct read of a file's last partial block
+    transfers the whole block). The mapping and a view of all of it.
+
+    In 4 KiB pages, unlike the write path's buffers (:func:`aligned_empty`): a write buffer is
+    filled once and written many times, a read buffer is faulted in once per load, and on a VM
+    whose host backs guest memory lazily a fresh huge page costs more to fault than the 512
+    small pages it replaces (``benchmarks/checkpoint_speed.py`` times the read into this
+    buffer against the device's own read speed)."""
+    length = max(BLOCK, -(-nbytes // BLOCK) * BLOCK)
+    mapping = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError, AttributeError):  # a hint: THP "always" would fault 2 MiB
+        mapping.madvise(mmap.MADV_NOHUGEPAGE)
+    return mapping, memoryview(mapping)
+
+
+def take_stage() -> tuple[memoryview, Callable[[], None]]:
+    """A page-aligned :data:`_STAGE`-byte buffer from the staging pool (reused across writes
+    and reads, so not faulted in again), and the function that gives it back."""
+    stage = _Stage()
+    return stage.view, stage.release

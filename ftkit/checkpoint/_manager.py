@@ -33,7 +33,7 @@ from ._config import CheckpointConfig, CheckpointInfo
 from ._files import atomic_write_bytes, fsync_dir
 from ._layout import DCP_DIR, LATEST, PIN, SENTINEL, list_step_dirs, rank_file, step_name
 from ._load import check_missing, describe_rule, is_dcp, match_keys
-from ._manifest import build_manifest, validate_dir, verify_files, write_manifest
+from ._manifest import build_manifest, validate_dir, verify_files, verify_share, write_manifest
 from ._pins import pin_checkpoint, unpin_checkpoint
 from ._retention import delete_checkpoint, plan_retention
 from ._single import WriteProgress, read_state_file, write_state_file
@@ -320,8 +320,9 @@ class Checkpointer:
         info = validate_dir(path)
         problem = "" if info.valid else f"{info.status}: {info.reason}"
         if not problem and self.comm.distributed and self.config.verify_on_load:
-            mine = sorted(info.files)[self.rank :: self.world_size]
-            problem = verify_files(path, info.files, mine)
+            skip = [n for n in info.files if n.startswith("rank-")]  # checked as they are read
+            mine = verify_share(info.files, self.rank, self.world_size, skip=skip)
+            problem = verify_files(path, info.files, mine, cache=True)
         problems = [p for p in self.comm.gather(problem) if p]
         return problems[0] if problems else ""
 
@@ -344,13 +345,15 @@ class Checkpointer:
         payload: dict[str, Any] = {}
         available: set[str] = set()
         try:
-            verify = self.config.verify_on_load and not self.comm.distributed
-            if verify and sharded:  # one process reads every dcp/ file: check them first
+            verify = self.config.verify_on_load  # a state file is checked as it is read
+            if verify and sharded and not self.comm.distributed:
+                # one process reads every dcp/ file (with several ranks, _agree_valid shares them)
                 dcp_files = [f for f in sorted(info.files) if f.startswith(f"{DCP_DIR}/")]
-                problem = verify_files(path, info.files, dcp_files)
+                problem = verify_files(path, info.files, dcp_files, cache=True)
                 if problem:
                     raise CheckpointError(problem)
-            payload = read_state_file(path, name, info.files[name], verify=verify, mmap=True)
+            payload = read_state_file(path, name, info.files[name], verify=verify, mmap=True,
+                                      direct=self.config.direct_io)
             available = set(payload["state"])
             if sharded:
                 from ._dcp import saved_keys

@@ -3,7 +3,14 @@
 A checkpoint directory is valid when: it is a real directory (not a symlink), the
 ``checkpoint-is-incomplete`` sentinel is absent, ``manifest.json`` parses and names this
 step, and every file it lists exists with the recorded size. ``checksums=True`` also
-recomputes each file's CRC-32 and compares it with the manifest.
+recomputes each file's CRC-32 and compares it with the manifest (:func:`verify_files`: each
+file read once, at the device's speed, by :mod:`._reader`).
+
+With several ranks a load checks each file once, not once per rank (:func:`verify_share`):
+a rank's own state file is checked by the rank that reads it, as it reads it; the DCP files
+are shared out among the ranks, each rank taking those it wrote (which, at the same world
+size, are the ones it will read), before anything is restored, and the ranks agree on the
+result.
 """
 
 from __future__ import annotations
@@ -17,10 +24,19 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ._config import CheckpointInfo
-from ._files import CHECKSUM, atomic_write_bytes, crc32_file
+from ._files import CHECKSUM, atomic_write_bytes
 from ._layout import MANIFEST, PIN, SENTINEL, parse_step
+from ._reader import FileProblem, check_file
 
-__all__ = ["FORMAT", "VERSION", "build_manifest", "validate_dir", "verify_files", "write_manifest"]
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "build_manifest",
+    "validate_dir",
+    "verify_files",
+    "verify_share",
+    "write_manifest",
+]
 
 FORMAT = "ftkit-checkpoint"
 VERSION = 1
@@ -86,20 +102,52 @@ def _safe_relpath(name: str) -> bool:
 
 
 def verify_files(
-    directory: Path, files: Mapping[str, Mapping[str, Any]], names: Iterable[str] | None = None
+    directory: Path,
+    files: Mapping[str, Mapping[str, Any]],
+    names: Iterable[str] | None = None,
+    *,
+    cache: bool = False,
 ) -> str:
-    """Recompute the CRC-32 of ``names`` (default: all files); return "" or the first problem."""
+    """Recompute the CRC-32 of ``names`` (default: all files); return "" or the first problem.
+
+    Each file is read once (:func:`._reader.check_file`): with ``O_DIRECT`` into reused
+    buffers, or with ``cache=True`` through the page cache, for files that a reader on this
+    node (DCP's) reads right after, which then finds them in memory."""
     for name in sorted(files) if names is None else names:
-        meta = files[name]
         try:
-            size, crc = crc32_file(directory / name)
-        except OSError as exc:
-            return f"cannot read {name}: {exc.strerror or exc}"
-        if size != meta.get("size"):
-            return f"{name}: size {size} bytes, manifest says {meta.get('size')}"
-        if crc != meta.get(CHECKSUM):
-            return f"{name}: checksum {CHECKSUM} {crc} does not match manifest {meta.get(CHECKSUM)}"
+            check_file(directory / name, files[name], name=name, cache=cache)
+        except FileProblem as exc:
+            return str(exc)
     return ""
+
+
+def _dcp_writer(name: str) -> int | None:
+    """The rank that wrote ``dcp/__<rank>_<n>.distcp`` (None for other files)."""
+    leaf = PurePosixPath(name).name
+    if not leaf.startswith("__") or not leaf.endswith(".distcp"):
+        return None
+    rank = leaf[2:].split("_", 1)[0]
+    return int(rank) if rank.isdigit() else None
+
+
+def verify_share(
+    files: Mapping[str, Mapping[str, Any]], rank: int, world_size: int, *, skip: Iterable[str] = ()
+) -> list[str]:
+    """The files ``rank`` checks before a load of several ranks: each file once among the
+    ranks, none of ``skip`` (the state files, which their readers check as they read them).
+
+    A ``dcp/__<r>_<n>.distcp`` file goes to rank ``r`` (mod ``world_size``): at the same world
+    size the rank that will read it, so on a multi-node job the file is read from the disk
+    on the node that needs it and left in its page cache (``verify_files(cache=True)``).
+    The rest (``.metadata``, files of other layouts) is dealt out round-robin."""
+    skipped = set(skip)
+    rest = sorted(n for n in files if n not in skipped and _dcp_writer(n) is None)
+    mine = [n for i, n in enumerate(rest) if i % world_size == rank]
+    for name in sorted(files):
+        owner = _dcp_writer(name)
+        if name not in skipped and owner is not None and owner % world_size == rank:
+            mine.append(name)
+    return mine
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:

@@ -10,21 +10,21 @@ is written with plain ``torch.save`` (same format, zip CRCs filled in, slower). 
 filesystem accepts it the file is written with ``O_DIRECT`` (:mod:`._direct`), its tensor
 records aligned to 4096 bytes instead of torch's 64.
 
-Reading never unpickles arbitrary objects: ``torch.load(weights_only=True)`` only. With
-``verify=True`` the file's CRC-32 is recomputed (one sequential read) and compared with the
-manifest before torch parses it, so a flipped byte is never loaded. With ``mmap=True`` the
-tensors are views of the file mapped copy-on-write (``torch.load(weights_only=True,
-mmap=True)``): the pages the CRC pass just read are used in place instead of being copied
-into fresh memory, which on a VM whose first touch of memory is slow costs seconds per GiB;
-the caller must copy out what it keeps (:func:`ftkit.checkpoint._state.own_tensors`).
+Reading never unpickles arbitrary objects: weights_only only. The file is read once, at the
+device's sequential speed (:mod:`._reader`: ``O_DIRECT`` into fresh page-aligned memory, several
+large reads in flight), with its CRC-32 compared with the manifest as the bytes arrive
+(``verify=True``), and only then parsed, in place: torch's own loader (``_load``, given the
+bytes as the one storage ``torch.load(mmap=True)`` would give it) makes the tensors views of
+the bytes read, so they are neither copied out of the file nor out of the buffer; a flipped
+byte is never parsed. The caller copies out what it keeps
+(:func:`ftkit.checkpoint._state.own_tensors`). Should a torch release change those private
+entry points, the buffer is parsed by plain ``torch.load`` (same result, each tensor copied).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-import mmap as _mmap
-import os
 import pickle
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,7 +35,7 @@ import torch
 from ..errors import CheckpointError
 from ._direct import BLOCK
 from ._files import CHECKSUM, HashingWriter
-from ._manifest import verify_files
+from ._reader import FileProblem, read_file
 
 __all__ = ["FILE_FORMAT", "read_state_file", "write_state_file"]
 
@@ -145,21 +145,74 @@ def write_state_file(
     return {"size": writer.size, CHECKSUM: writer.checksum}
 
 
-def _mappable(path: Path) -> bool:
-    """Whether ``path`` can be memory-mapped (some FUSE filesystems cannot), with a warning if not."""
+def _can_parse_in_place() -> bool:
+    """Whether this torch has the private pieces ``torch.load`` is made of, as expected: the
+    zip reader over a file object and ``_load`` taking the file's bytes as one storage (what
+    ``torch.load(mmap=True)`` passes it), so that tensors are views of the bytes read."""
+    ser = torch.serialization
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return True  # torch.load names the problem
-    try:
-        if os.fstat(fd).st_size:
-            _mmap.mmap(fd, 0, flags=_mmap.MAP_PRIVATE, prot=_mmap.PROT_READ).close()
-        return True
-    except (OSError, ValueError) as exc:
-        log.warning("cannot memory-map %s (%s); reading it into memory instead", path, exc)
+        params = inspect.signature(ser._load).parameters
+    except (AttributeError, TypeError, ValueError):
         return False
-    finally:
-        os.close(fd)
+    return (
+        "overall_storage" in params
+        and hasattr(ser, "_weights_only_unpickler")
+        and hasattr(torch._C, "PyTorchFileReader")
+    )
+
+
+_PARSE_IN_PLACE = _can_parse_in_place()
+
+
+class _MemoryFile:
+    """A read-only binary file over a buffer, for torch's zip reader (which reads only the
+    archive's directory and small records from it: the tensors are views of the buffer)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._pos = 0
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self._pos, self._view.nbytes)[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        out = memoryview(buf).cast("B")
+        part = self._view[self._pos : self._pos + out.nbytes]
+        out[: part.nbytes] = part
+        self._pos += part.nbytes
+        return part.nbytes
+
+    def read(self, n: int = -1) -> bytes:
+        end = self._view.nbytes if n is None or n < 0 else self._pos + n
+        data = bytes(self._view[self._pos : end])
+        self._pos += len(data)
+        return data
+
+
+def _parse(view: memoryview, mapping: Any) -> Any:
+    """``torch.load(weights_only=True)`` of the archive in ``view``; tensors are views of it."""
+    ser = torch.serialization
+    if not _PARSE_IN_PLACE:  # same result; each storage copied out of the buffer
+        return torch.load(_MemoryFile(view), map_location="cpu", weights_only=True)  # type: ignore[arg-type]
+    # the storage keeps `mapping` alive as long as any tensor viewing it
+    storage = torch.frombuffer(mapping, dtype=torch.uint8, count=view.nbytes).untyped_storage()
+    reader = torch._C.PyTorchFileReader(_MemoryFile(view))  # type: ignore[call-overload]
+    try:
+        return ser._load(reader, "cpu", ser._weights_only_unpickler, overall_storage=storage,
+                         encoding="utf-8")
+    except pickle.UnpicklingError as exc:  # the message torch.load gives
+        raise pickle.UnpicklingError(ser._get_wo_message(str(exc))) from None
 
 
 def read_state_file(
@@ -169,19 +222,27 @@ def read_state_file(
     *,
     verify: bool = True,
     mmap: bool = False,
+    direct: bool | None = None,
 ) -> dict[str, Any]:
     """Load a state file written by :func:`write_state_file` (weights_only, CPU).
 
-    ``mmap``: tensors are copy-on-write views of the mapped file (see the module doc).
+    The file is read once (:func:`._reader.read_file`: ``O_DIRECT`` where the filesystem
+    accepts it, ``direct`` as ``checkpoint.direct_io``), its CRC-32 checked against ``meta``
+    as the bytes arrive when ``verify``, and only then parsed, in place: the payload's tensors
+    are views of the bytes read (anonymous memory, not the file), so a corrupt file raises
+    :class:`CheckpointError` before anything of it reaches a caller. ``mmap`` is accepted for
+    the callers that asked for views of the file: they get views of the read buffer, which
+    is freed when the last of them is; the caller copies out what it keeps
+    (:func:`ftkit.checkpoint._state.own_tensors`) so that no kept tensor holds all of it.
     """
+    del mmap  # every load is in place now; see the docstring
     path = directory / name
-    if verify:
-        problem = verify_files(directory, {name: meta})
-        if problem:
-            raise CheckpointError(f"{directory}: {problem}")
     try:
-        mapped = mmap and _mappable(path)
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
+        mapping, view = read_file(path, meta, verify=verify, direct=direct)
+    except FileProblem as exc:
+        raise CheckpointError(f"{directory}: {exc}") from exc
+    try:
+        payload = _parse(view, mapping)
     except Exception as exc:
         raise CheckpointError(f"cannot load {path}: {exc}") from exc
     if not isinstance(payload, dict) or payload.get("format") != FILE_FORMAT:

@@ -1,0 +1,208 @@
+"""Reading checkpoint files once, at the device's sequential speed, checksummed as they arrive.
+
+A resume reads every byte of its files from a cold page cache. Read through the page cache, a
+file costs the kernel a fresh page for every 4 KiB plus a copy out of it, and a separate CRC
+pass before ``torch.load`` reads the file a second time (from memory if it stayed cached).
+Here a file is read with ``O_DIRECT`` (:func:`._direct.open_direct_read`; through the page
+cache with sequential read-ahead advice where the filesystem refuses it) in
+:data:`CHUNK`-byte pieces, :data:`DEPTH` of them in flight on helper threads so that the device
+always has the next request queued, and the CRC-32 of each piece is taken in file order as soon
+as it has arrived, while the next ones are still being read: one pass over the bytes, no
+verification pass of its own.
+
+Two destinations:
+
+* :func:`read_file` reads the whole file into fresh page-aligned memory
+  (:func:`._direct.read_buffer`) and returns it only once size and CRC-32 matched the manifest:
+  the caller parses it in place (:func:`._single.read_state_file`) and nothing from a corrupt
+  file ever reaches a live object;
+* :func:`check_file` only checksums, through a few reused staging buffers
+  (:func:`._direct.take_stage`): validating a file another process reads, or one a library
+  reads by itself (DCP's), without holding it in memory. ``cache=True`` reads it through the
+  page cache instead, so that the library's read that follows on this node finds it there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ._direct import BLOCK, open_direct_read, read_buffer, take_stage
+from ._files import CHECKSUM, crc32
+
+__all__ = ["CHUNK", "DEPTH", "FileProblem", "check_file", "read_file"]
+
+CHUNK = 16 << 20  # one request: whole blocks, at most a staging buffer (the device's best size here)
+DEPTH = 4  # requests in flight: a queue deep enough for an NVMe or virtio disk to stream
+
+
+class FileProblem(Exception):
+    """A file does not match its manifest entry (or cannot be read); ``str`` says how."""
+
+
+def _expected(name: str, meta: Mapping[str, Any]) -> tuple[int, str | None]:
+    size = meta.get("size")
+    if not isinstance(size, int) or size < 0:
+        raise FileProblem(f"{name}: the manifest gives no size")
+    crc = meta.get(CHECKSUM)
+    return size, crc if isinstance(crc, str) else None
+
+
+class _Source:
+    """The open file: an O_DIRECT descriptor where possible, always a buffered one too (for
+    the tail of a short direct read, and where O_DIRECT is refused)."""
+
+    def __init__(self, path: Path, *, direct: bool | None, cache: bool) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self.direct_fd: int | None = None
+        try:
+            if direct is not False and not cache:
+                self.direct_fd = open_direct_read(path, required=direct is True)
+            if self.direct_fd is None and hasattr(os, "posix_fadvise"):
+                with contextlib.suppress(OSError):  # read-ahead advice only
+                    os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def read(self, view: memoryview, offset: int) -> int:
+        """Fill ``view`` from ``offset``; fewer bytes only at the end of the file."""
+        got = 0
+        while got < view.nbytes:
+            aligned = got % BLOCK == 0
+            fd = self.direct_fd if self.direct_fd is not None and aligned else self.fd
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n == 0:
+                break
+            got += n
+        return got
+
+    def close(self) -> None:
+        for fd in (self.direct_fd, self.fd):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.direct_fd = None
+
+
+def _stream(
+    source: _Source,
+    size: int,
+    dest: Callable[[int], memoryview],
+    done: Callable[[int], None] = lambda i: None,
+    *,
+    window: int,
+) -> int:
+    """Read the file's ``size`` bytes in :data:`CHUNK` pieces, piece ``i`` into ``dest(i)``
+    (a page-aligned buffer of up to :data:`CHUNK` bytes, whole blocks), with up to ``window``
+    pieces in flight; CRC-32 each piece in file order as soon as it arrived, then ``done(i)``
+    (after which ``dest(i)``'s memory may be reused for piece ``i + window``). Returns the
+    CRC-32. A file that ends early or runs on (changed since it was sized) is a problem."""
+    pieces = -(-size // CHUNK)
+    crc = 0
+    with ThreadPoolExecutor(min(DEPTH, max(1, pieces)), thread_name_prefix="ftkit-read") as pool:
+        pending: dict[int, Future[int]] = {}
+
+        def submit(i: int) -> None:
+            if i < pieces:
+                pending[i] = pool.submit(source.read, dest(i), i * CHUNK)
+
+        try:
+            for i in range(min(window, pieces)):
+                submit(i)
+            for i in range(pieces):
+                n = pending.pop(i).result()
+                want = min(CHUNK, size - i * CHUNK)
+                if n != want:
+                    raise FileProblem(
+                        f"{source.path.name}: {i * CHUNK + n} bytes where the read expected "
+                        f"{i * CHUNK + want} (the manifest says {size}): the file changed while "
+                        "it was read"
+                    )
+                crc = crc32(dest(i)[:n], crc)
+                done(i)
+                submit(i + window)
+        finally:
+            for fut in pending.values():
+                fut.cancel()
+    return crc
+
+
+def _open(path: Path, name: str, size: int, *, direct: bool | None, cache: bool) -> _Source:
+    try:
+        source = _Source(path, direct=direct, cache=cache)
+    except FileNotFoundError:
+        raise FileProblem(f"{name} is missing") from None
+    actual = source.size
+    if actual != size:
+        source.close()
+        raise FileProblem(f"{name}: size {actual} bytes, manifest says {size}")
+    return source
+
+
+def _check_crc(name: str, crc: int, want: str | None) -> None:
+    if want is not None and f"{crc:08x}" != want:
+        raise FileProblem(f"{name}: checksum {CHECKSUM} {crc:08x} does not match manifest {want}")
+
+
+def _piece(view: memoryview, i: int) -> memoryview:
+    return view[i * CHUNK : (i + 1) * CHUNK]
+
+
+def read_file(
+    path: Path, meta: Mapping[str, Any], *, verify: bool = True, direct: bool | None = None
+) -> tuple[Any, memoryview]:
+    """The whole of ``path`` in fresh page-aligned memory: ``(mapping, view of its bytes)``.
+
+    Raises :class:`FileProblem` unless the file has the manifest entry's size and, with
+    ``verify``, its CRC-32 (checked as the pieces arrive, so no byte is read twice). ``direct``
+    as ``checkpoint.direct_io``: None uses ``O_DIRECT`` where the filesystem accepts it."""
+    name = path.name
+    size, want = _expected(name, meta)
+    mapping, whole = read_buffer(size)  # freed with the last view of it, also on an error
+    try:
+        source = _open(path, name, size, direct=direct, cache=False)
+        try:
+            crc = _stream(source, size, lambda i: _piece(whole, i), window=2 * DEPTH)
+        finally:
+            source.close()
+    except OSError as exc:
+        raise FileProblem(f"cannot read {name}: {exc.strerror or exc}") from exc
+    if verify:
+        _check_crc(name, crc, want)
+    return mapping, whole[:size]
+
+
+def check_file(
+    path: Path, meta: Mapping[str, Any], *, name: str | None = None, direct: bool | None = None,
+    cache: bool = False,
+) -> None:
+    """Check ``path``'s size and CRC-32 against its manifest entry; :class:`FileProblem` if not.
+
+    Reads through :data:`DEPTH` reused staging buffers, with ``O_DIRECT`` unless ``cache``
+    (then through the page cache, which keeps the file for a read on this node that follows)."""
+    name = name or path.name
+    size, want = _expected(name, meta)
+    stages = [take_stage() for _ in range(min(DEPTH, max(1, -(-size // CHUNK))))]
+    try:
+        source = _open(path, name, size, direct=direct, cache=cache)
+        try:
+            crc = _stream(source, size, lambda i: stages[i % len(stages)][0][:CHUNK], window=len(stages))
+        finally:
+            source.close()
+    except OSError as exc:
+        raise FileProblem(f"cannot read {name}: {exc.strerror or exc}") from exc
+    finally:
+        for _, release in stages:
+            release()
+    _check_crc(name, crc, want)

@@ -1,0 +1,310 @@
+"""Loading reads each checkpoint file once, checksummed as it arrives (``ftkit.checkpoint._reader``).
+
+Real files: every byte of a state file is read exactly once by a load (no verification pass
+of its own), with O_DIRECT where the filesystem takes it; any size comes back byte for byte
+with the CRC-32 of zlib, through short reads and refused O_DIRECT too; a file that changes
+while it is read is refused by name; a corruption found only during that one read makes the
+resume fall back to the older checkpoint with exactly its state, and leaves the live state
+untouched when there is nothing older; with several ranks each file is checked by one rank.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import itertools
+import os
+import random
+import shutil
+import zlib
+
+import pytest
+import torch
+
+from ftkit.checkpoint import _direct, _reader, _single
+from ftkit.checkpoint._manifest import verify_files, verify_share
+from ftkit.checkpoint._reader import FileProblem, check_file, read_file
+from ftkit.checkpoint._single import read_state_file, write_state_file
+from ftkit.errors import CheckpointError
+from tests.ckpt_helpers import make_mgr, run_ranks
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux-only")
+
+
+def _entry(path) -> dict:
+    data = path.read_bytes()
+    return {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+
+
+def _spy_reads(monkeypatch) -> list[tuple[int, int, int, bool]]:
+    """Every read the reader makes: (inode, offset, bytes, O_DIRECT)."""
+    reads: list[tuple[int, int, int, bool]] = []
+    real = os.preadv
+
+    def preadv(fd, buffers, offset):
+        n = real(fd, buffers, offset)
+        direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+        reads.append((os.fstat(fd).st_ino, offset, n, direct))
+        return n
+
+    monkeypatch.setattr(_reader.os, "preadv", preadv)
+    return reads
+
+
+def _coverage(reads, ino: int) -> list[tuple[int, int]]:
+    return sorted((off, off + n) for i, off, n, _ in reads if i == ino and n)
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 16 << 20], ids=["1MiB-pieces", "16MiB-pieces"])
+def test_a_load_reads_every_byte_of_the_file_once_with_o_direct(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(_reader, "CHUNK", chunk)
+    state = {"w": torch.randn(5_000_000), "b": torch.arange(7), "extra": {"value": 3}}
+    mgr = make_mgr(tmp_path / "ck")
+    mgr.save(1, state)
+    path = tmp_path / "ck" / "step-00000001" / "rank-00000.pt"
+    size = path.stat().st_size
+    reads = _spy_reads(monkeypatch)
+    crc_passes = []
+    monkeypatch.setattr(_reader, "check_file", lambda *a, **k: crc_passes.append(a))
+    fresh = {"w": torch.zeros(5_000_000), "b": torch.zeros(7, dtype=torch.int64), "extra": {"value": 0}}
+    assert make_mgr(tmp_path / "ck").load(fresh) == 1
+    assert torch.equal(fresh["w"], state["w"]) and torch.equal(fresh["b"], state["b"])
+    assert fresh["extra"]["value"] == 3
+    spans = _coverage(reads, path.stat().st_ino)
+    # contiguous, no overlap, exactly the file: every byte once
+    assert spans[0][0] == 0 and spans[-1][1] == size
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+    assert sum(b - a for a, b in spans) == size
+    assert all(d for i, _, n, d in reads if i == path.stat().st_ino and n)  # O_DIRECT reads
+    assert crc_passes == []  # no verification pass besides the read
+
+
+@pytest.mark.parametrize("direct", [None, False], ids=["o-direct", "page-cache"])
+def test_any_size_reads_back_byte_for_byte_with_zlibs_crc(tmp_path, monkeypatch, direct):
+    monkeypatch.setattr(_reader, "CHUNK", 64 << 10)  # many pieces, a window of them in flight
+    rng = random.Random(7)
+    piece = 64 << 10
+    sizes = [0, 1, 511, 4095, 4096, 4097, piece - 1, piece, piece + 1, 9 * piece + 4097]
+    for size in sizes:
+        data = rng.randbytes(size)
+        path = tmp_path / f"f{size}"
+        path.write_bytes(data)
+        meta = _entry(path)
+        _mapping, view = read_file(path, meta, direct=direct)
+        assert view.nbytes == size and bytes(view) == data, size
+        assert _direct.address(view) is None or size == 0 or _direct.address(view) % 4096 == 0
+        for cache in (False, True):
+            check_file(path, meta, direct=direct, cache=cache)
+        bad = dict(meta, crc32=f"{(zlib.crc32(data) ^ 1):08x}")
+        with pytest.raises(FileProblem, match=rf"f{size}: checksum crc32 .* does not match"):
+            read_file(path, bad, direct=direct)
+        with pytest.raises(FileProblem, match="does not match"):
+            check_file(path, bad, direct=direct)
+
+
+def test_short_direct_reads_are_completed_through_the_page_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(_reader, "CHUNK", 256 << 10)
+    data = random.Random(1).randbytes(3 * (256 << 10) + 1000)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    real = os.preadv
+    kinds = []
+
+    def short(fd, buffers, offset):  # a direct read may stop anywhere, even off a block
+        direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+        kinds.append(direct)
+        if direct:
+            view = memoryview(buffers[0])
+            n = real(fd, [view[: min(view.nbytes, 8192)]], offset)
+            return min(n, 4096 + 100)  # as if the device stopped after 4196 bytes
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(_reader.os, "preadv", short)
+    _mapping, view = read_file(path, _entry(path))
+    assert bytes(view) == data
+    assert True in kinds and False in kinds  # the unaligned rest came through the page cache
+
+
+def test_a_file_that_changes_while_it_is_read_is_refused_by_name(tmp_path, monkeypatch):
+    monkeypatch.setattr(_reader, "CHUNK", 64 << 10)
+    path = tmp_path / "rank-00000.pt"
+    path.write_bytes(os.urandom(10 * (64 << 10)))
+    meta = _entry(path)
+    real = _reader._Source.read
+
+    def truncating(self, view, offset):
+        if offset == 0:
+            os.truncate(path, 3 * (64 << 10) + 5)  # another process cuts it short
+        return real(self, view, offset)
+
+    monkeypatch.setattr(_reader._Source, "read", truncating)
+    with pytest.raises(FileProblem, match=r"rank-00000\.pt: .* the file changed while it was read"):
+        read_file(path, meta)
+    with pytest.raises(FileProblem, match=r"rank-00000\.pt: size 196613 bytes, manifest says"):
+        check_file(path, meta)
+    with pytest.raises(FileProblem, match=r"rank-00000\.pt is missing"):
+        check_file(tmp_path / "nothing", meta, name="rank-00000.pt")
+
+
+def test_refused_o_direct_reads_through_the_page_cache_or_fails_by_the_setting(tmp_path, monkeypatch):
+    state = {"state": {"w": torch.randn(70_000)}}
+    entry = write_state_file(tmp_path, "s.pt", state)
+    real_open = os.open
+
+    def refusing_open(path, flags, mode=0o777, **kw):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, mode, **kw)
+
+    monkeypatch.setattr(_direct.os, "open", refusing_open)
+    monkeypatch.setattr(_direct, "_refused", {})
+    with pytest.raises(CheckpointError, match=r"checkpoint\.direct_io=True") as err:
+        read_state_file(tmp_path, "s.pt", entry, direct=True)
+    assert "s.pt" in str(err.value)
+    reads = _spy_reads(monkeypatch)
+    got = read_state_file(tmp_path, "s.pt", entry)
+    assert torch.equal(got["state"]["w"], state["state"]["w"])
+    assert reads and not any(d for *_, d in reads)
+
+
+def test_the_plain_torch_load_parser_gives_the_same_payload(tmp_path, monkeypatch):
+    base = torch.arange(12.0)
+    obj = {"state": {"a": base, "b": base[3:7].view(2, 2), "h": torch.randn(3).half(), "n": [1, "x"]}}
+    entry = write_state_file(tmp_path, "s.pt", obj)
+    in_place = read_state_file(tmp_path, "s.pt", entry)["state"]
+    monkeypatch.setattr(_single, "_PARSE_IN_PLACE", False)
+    copied = read_state_file(tmp_path, "s.pt", entry)["state"]
+    for got in (in_place, copied):
+        assert torch.equal(got["a"], base) and torch.equal(got["b"], base[3:7].view(2, 2))
+        assert torch.equal(got["h"], obj["state"]["h"]) and got["n"] == [1, "x"]
+        assert got["a"].untyped_storage().data_ptr() == got["b"].untyped_storage().data_ptr()
+
+
+def _flip(path, where: float) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * where)] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _state(value: float):
+    torch.manual_seed(int(value))
+    model = torch.nn.Linear(300, 200)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(2, 300)).sum().backward()
+    opt.step()
+    return {"model": model, "optimizer": opt, "extra": {"value": value, "t": torch.full((5,), value)}}
+
+
+def _snapshot(state) -> dict:
+    return {
+        "model": {k: v.clone() for k, v in state["model"].state_dict().items()},
+        "opt": [{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                for s in state["optimizer"].state.values()],
+        "extra": (state["extra"]["value"], state["extra"]["t"].clone()),
+    }
+
+
+def _same(a: dict, b: dict) -> bool:
+    return (
+        a["model"].keys() == b["model"].keys()
+        and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+        and len(a["opt"]) == len(b["opt"])
+        and all(x.keys() == y.keys() and all(torch.equal(torch.as_tensor(x[k]), torch.as_tensor(y[k])) for k in x)
+                for x, y in zip(a["opt"], b["opt"], strict=True))
+        and a["extra"][0] == b["extra"][0] and torch.equal(a["extra"][1], b["extra"][1])
+    )
+
+
+@pytest.mark.parametrize("where", [0.5, 0.999], ids=["in-tensor-data", "in-the-zip-directory"])
+def test_corruption_found_during_the_read_falls_back_to_exactly_the_older_state(tmp_path, where):
+    root = tmp_path / "ck"
+    mgr = make_mgr(root, keep_last=None)
+    older = _state(2)
+    torch.manual_seed(1234)
+    rng_at_2 = torch.get_rng_state()
+    mgr.save(2, older)
+    want = _snapshot(older)
+    mgr.save(3, _state(3))
+    _flip(root / "step-00000003" / "rank-00000.pt", where)
+
+    live = _state(9)  # a run that went on: every tensor differs from both checkpoints
+    torch.manual_seed(99)
+    assert make_mgr(root).load(live) == 2
+    assert _same(_snapshot(live), want)
+    assert torch.equal(torch.get_rng_state(), rng_at_2)  # the RNG is step 2's too
+
+
+def test_with_nothing_older_a_corrupt_newest_leaves_the_live_state_untouched(tmp_path):
+    root = tmp_path / "ck"
+    make_mgr(root).save(3, _state(3))
+    _flip(root / "step-00000003" / "rank-00000.pt", 0.5)
+    live = _state(9)
+    before = _snapshot(live)
+    torch.manual_seed(5)
+    rng = torch.get_rng_state()
+    assert make_mgr(root).load(live) is None  # resume="auto": a fresh start ...
+    assert _same(_snapshot(live), before)  # ... from the state as it was, nothing of step 3 in it
+    assert torch.equal(torch.get_rng_state(), rng)
+    with pytest.raises(Exception, match="checksum"):
+        make_mgr(root, resume="required").load(live)
+
+
+def test_verify_share_checks_every_file_once_among_the_ranks():
+    files = {"rank-00000.pt": {}, "rank-00001.pt": {}, "rank-00002.pt": {}, "dcp/.metadata": {},
+             "dcp/__0_0.distcp": {}, "dcp/__1_0.distcp": {}, "dcp/__2_0.distcp": {}, "dcp/__2_1.distcp": {}}
+    skip = [n for n in files if n.startswith("rank-")]
+    for world in (1, 2, 3, 5):
+        shares = [verify_share(files, r, world, skip=skip) for r in range(world)]
+        flat = [n for s in shares for n in s]
+        assert sorted(flat) == sorted(n for n in files if n not in skip), world  # each once
+        if world == 3:
+            assert shares[1] == ["dcp/__1_0.distcp"]  # what rank 1 wrote (and will read)
+            assert set(shares[2]) == {"dcp/__2_0.distcp", "dcp/__2_1.distcp"}
+            assert "dcp/.metadata" in shares[0]
+
+
+def test_verify_files_reports_the_first_bad_file_by_name(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / name).write_bytes(os.urandom(5000))
+    files = {n: _entry(tmp_path / n) for n in ("a", "b")}
+    assert verify_files(tmp_path, files) == ""
+    assert verify_files(tmp_path, files, cache=True) == ""
+    _flip(tmp_path / "b", 0.3)
+    assert verify_files(tmp_path, files).startswith("b: checksum crc32")
+    (tmp_path / "a").write_bytes(b"short")
+    assert verify_files(tmp_path, files) == f"a: size 5 bytes, manifest says {files['a']['size']}"
+
+
+def _flip_rank_file(root, step, rank):
+    _flip(root / f"step-{step:08d}" / f"rank-{rank:05d}.pt", 0.6)
+
+
+def _flip_dcp_file(root, step, rank):
+    dcp = root / f"step-{step:08d}" / "dcp"
+    _flip(sorted(dcp.glob(f"__{rank}_*.distcp"))[0], 0.6)
+
+
+@pytest.mark.parametrize(
+    "world_size,corrupt",
+    [(1, _flip_rank_file), (2, _flip_rank_file), (2, _flip_dcp_file)],
+    ids=["one-rank", "two-ranks-rank1-state-file", "two-ranks-dcp-file"],
+)
+def test_resume_past_a_corrupt_newest_is_bit_identical_to_resuming_the_older(tmp_path, world_size, corrupt):
+    """A real trainer (dropout, sampler, Adam, StepLR; DDP + DCP with two ranks) checkpoints at
+    step 4 and 7; step 7's file is corrupted (rank 1's state file, read by rank 1 alone, or a
+    DCP file). Resuming then must give, bit for bit, what resuming from step 4 gives."""
+    root, only_older = tmp_path / "ck", tmp_path / "older"
+    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], world_size)
+    shutil.copytree(root, only_older)
+    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], world_size)
+    corrupt(root, 7, world_size - 1)
+    for r, out in ((root, "fallback"), (only_older, "reference")):
+        run_ranks(["train", "--root", str(r), "--steps", "10", "--out", str(tmp_path / out)], world_size)
+    for rank in range(world_size):
+        a = torch.load(tmp_path / f"fallback.rank{rank}", weights_only=True)
+        b = torch.load(tmp_path / f"reference.rank{rank}", weights_only=True)
+        assert a["step"] == b["step"] == 10 and len(a["losses"]) == 6
+        assert a["losses"] == b["losses"]  # dropout RNG, sampler position, lr schedule: all step 4's
+        assert all(torch.equal(v, b["model"][k]) for k, v in a["model"].items())
+        for pid, st in a["optimizer"]["state"].items():
+            assert all(torch.equal(v, b["optimizer"]["state"][pid][k]) for k, v in st.items())
