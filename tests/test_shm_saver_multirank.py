@@ -262,11 +262,12 @@ def test_node_death_leaves_the_survivors_part_of_a_newer_step_incomplete_and_res
         _wait_gone(savers[0])
         assert "persisting the newest complete snapshot, step 2 (rank(s) [0])" in said, said
         assert "rank 1 never confirmed its part of checkpoint step 2" in said, said
-    finally:
+    finally:  # kill every rank before reading: a saver holds the output pipe until its ranks are gone
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.communicate()
+        for p in procs:
+            p.communicate(timeout=120)
         # node 2's segments: nobody is left on "node 2" to unlink them (a real node's tmpfs goes with it)
         for leftover in _node_leftovers(procs[1].pid):
             (SHM / leftover).unlink(missing_ok=True)
