@@ -289,6 +289,15 @@ def test_node_death_leaves_the_survivors_part_of_a_newer_step_incomplete_and_res
     assert ftkit("verify", str(step1)).returncode == 0
 
     _check_resumed(tmp_path, root, 1, 1)  # exactly step 1: its step, ballast and weights
+    one = subprocess.run(  # and on one rank (resume across world sizes)
+        [sys.executable, __file__, "resume", "--root", str(root), "--out", str(tmp_path / "resume1"), "--mb", "1"],
+        env=env(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())),
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120,
+    )
+    assert one.returncode == 0, one.stdout
+    assert f"skipping checkpoint {step2}: incomplete" in one.stdout, one.stdout
+    rep = _report(tmp_path / "resume1", 0)
+    assert rep["step"] == 1 and rep["ballast"] == [100] and rep["model_equal"], rep
 
 
 # ---------------------------------------------------------------- the rank programs
@@ -363,7 +372,7 @@ def resume_main(a) -> None:
     step = mgr.load(state)
     mgr.close()
     want = torch.load(Path(a.root).parent / f"snap.rank{rank}.model", weights_only=True)
-    got = state["model"].module.state_dict()
+    got = getattr(state["model"], "module", state["model"]).state_dict()  # DDP only on several ranks
     report = {
         "step": step,
         "ballast": sorted({float(x) for x in state["ballast"].unique()}),
