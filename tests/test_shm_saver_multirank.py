@@ -1,13 +1,15 @@
 """crash_safe on two gloo ranks of one node: one saver process for the node, and a real kill -9 of
 the trainers still yields a valid two-rank checkpoint of the snapshotted step.
 
-``python3 tests/test_shm_saver_multirank.py snap|resume --root R --out F [--mode M --mb N]`` is one
+``python3 tests/test_shm_saver_multirank.py snap|resume|nodes --root R --out F [--mode M --mb N]`` is one
 rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment). ``snap`` trains the small
 DDP model of ``ckpt_helpers`` for 3 steps with a ``ballast`` tensor of N MB per rank (filled with
 ``100 * step + rank``), then, by MODE: ``save``: ``save(3)`` returned (the saver is still writing);
 ``memory``: memory snapshots of steps 1..3 only, never asked to persist. It writes its report
 (saver pid, model at step 3) and waits to be killed. ``resume`` loads with the synchronous
-Checkpointer and reports the step, the ballast and whether the model matches.
+Checkpointer and reports the step, the ballast and whether the model matches. ``nodes`` (each rank
+its own node: SLURMD_NODENAME differs) saves step 1 and waits until it is durable, then takes a
+memory snapshot of step 2 only, reports and waits to be killed.
 """
 
 from __future__ import annotations
