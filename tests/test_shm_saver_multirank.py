@@ -1,18 +1,21 @@
 """crash_safe on two gloo ranks of one node: one saver process for the node, and a real kill -9 of
 the trainers still yields a valid two-rank checkpoint of the snapshotted step.
 
-``python3 tests/test_shm_saver_multirank.py snap|resume --root R --out F [--mode M --mb N]`` is one
+``python3 tests/test_shm_saver_multirank.py snap|resume|nodes --root R --out F [--mode M --mb N]`` is one
 rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment). ``snap`` trains the small
 DDP model of ``ckpt_helpers`` for 3 steps with a ``ballast`` tensor of N MB per rank (filled with
 ``100 * step + rank``), then, by MODE: ``save``: ``save(3)`` returned (the saver is still writing);
 ``memory``: memory snapshots of steps 1..3 only, never asked to persist. It writes its report
 (saver pid, model at step 3) and waits to be killed. ``resume`` loads with the synchronous
-Checkpointer and reports the step, the ballast and whether the model matches.
+Checkpointer and reports the step, the ballast and whether the model matches. ``nodes`` (each rank
+its own node: SLURMD_NODENAME differs) saves step 1 and waits until it is durable, then takes a
+memory snapshot of step 2 only, reports and waits to be killed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -183,6 +186,122 @@ srun -n 2 bash -c 'RANK=$SLURM_PROCID WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_
     _check_resumed(tmp_path, root, 3, 8)
 
 
+def _tree(pid: int) -> list[int]:
+    """``pid`` and every process under it (by parent pid), parents first."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        try:
+            parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[-1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found = [pid]
+    for p in found:
+        found += [c for c, parent in parents.items() if parent == p]
+    return found
+
+
+def _saver_ranks(pid: int) -> str:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return argv[argv.index(b"--ranks") + 1].decode()
+
+
+def test_node_death_leaves_the_survivors_part_of_a_newer_step_incomplete_and_resume_loads_the_older_one(tmp_path):
+    """Two ranks on two "nodes" (SLURMD_NODENAME n1, n2: one saver each). Step 1 is durable, step 2
+    only snapshotted in memory. Node 2 dies (its saver and its trainer, kill -9), then rank 0's
+    trainer: node 1's saver rescues rank 0's part of step 2, which must stay an incomplete step
+    directory (no rank 1 part ever comes), for the saver, validate_dir, ``ftkit ls``/``verify`` and
+    the resume, which loads step 1."""
+    from ftkit.checkpoint import validate_dir
+    from tests.ckpt_helpers import env, free_port
+    from tests.conftest import wait_for
+    from tests.test_checkpoint_cli import ftkit
+    from tests.test_shm_saver import _alive, _wait_gone
+
+    job = tmp_path / "job"
+    root, out = job / "checkpoints", job / "snap"
+    step1, step2 = root / "step-00000001", root / "step-00000002"
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "nodes", "--mb", "1", "--root", str(root), "--out", str(out)],
+            env=env(RANK=str(r), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                    SLURMD_NODENAME=f"n{r + 1}"),
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(WORLD)
+    ]
+    reports: list[dict] = []
+    try:
+        wait_for(
+            lambda: all((job / f"snap.rank{r}.json").exists() for r in range(WORLD))
+            or any(p.poll() is not None for p in procs),
+            timeout=120, what="both ranks to report step 1 durable and step 2 snapshotted",
+        )
+        assert all(p.poll() is None for p in procs), [p.communicate()[0] for p in procs if p.poll() is not None]
+        reports = [_report(out, r) for r in range(WORLD)]
+        savers = [rep["saver"] for rep in reports]
+        # one saver per node: each rank leads its own, for its own rank only
+        assert None not in savers and savers[0] != savers[1], reports
+        assert [rep["saver_children"] for rep in reports] == [1, 1], reports
+        assert [_saver_ranks(pid) for pid in savers] == ["0", "1"]
+        assert validate_dir(step1).valid and not step2.exists()  # step 2 lives in shared memory only
+
+        # node 2 dies: its saver and its trainer (and anything under them) at once
+        for pid in [savers[1], *_tree(procs[1].pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _kill(procs[1])
+        _wait_gone(savers[1])
+        assert _alive(savers[0])
+        # node 1's trainer dies too: its saver survives and rescues rank 0's step 2 (the saver
+        # shares the trainer's output pipe, so this returns once the saver exits)
+        said = _kill(procs[0])
+
+        part = step2 / "part-rank-00000.json"
+        wait_for(part.exists, timeout=90, what="node 1's saver to write rank 0's part of step 2")
+        assert json.loads(part.read_text())["step"] == 2
+        # rank 0's saver waits for rank 1's part (commit_timeout, no growth), fails, and exits
+        _wait_gone(savers[0])
+        assert "persisting the newest complete snapshot, step 2 (rank(s) [0])" in said, said
+        assert "rank 1 never confirmed its part of checkpoint step 2" in said, said
+    finally:  # kill every rank before reading: a saver holds the output pipe until its ranks are gone
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.communicate(timeout=120)
+        # node 2's segments: nobody is left on "node 2" to unlink them (a real node's tmpfs goes with it)
+        for leftover in _node_leftovers(procs[1].pid):
+            (SHM / leftover).unlink(missing_ok=True)
+    assert _node_leftovers(procs[0].pid) == []
+
+    info = validate_dir(step2)
+    assert info.status == "incomplete" and not info.valid, info
+    assert (step2 / "checkpoint-is-incomplete").exists() and not (step2 / "manifest.json").exists()
+    names = {p.name for p in step2.iterdir()}
+    assert {"rank-00000.pt", "part-rank-00000.json"} <= names, names
+    assert not {"rank-00001.pt", "part-rank-00001.json"} & names, names
+    assert not (step2 / "dcp" / ".metadata").exists()
+
+    listed = ftkit("ls", str(job), "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [(row["step"], row["status"]) for row in json.loads(listed.stdout)] == [(2, "incomplete"), (1, "valid")]
+    assert ftkit("verify", str(step2)).returncode == 3
+    assert ftkit("verify", str(job)).returncode == 3
+    assert ftkit("verify", str(step1)).returncode == 0
+
+    _check_resumed(tmp_path, root, 1, 1)  # exactly step 1: its step, ballast and weights
+    one = subprocess.run(  # and on one rank (resume across world sizes)
+        [sys.executable, __file__, "resume", "--root", str(root), "--out", str(tmp_path / "resume1"), "--mb", "1"],
+        env=env(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())),
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120,
+    )
+    assert one.returncode == 0, one.stdout
+    assert f"skipping checkpoint {step2}: incomplete" in one.stdout, one.stdout
+    rep = _report(tmp_path / "resume1", 0)
+    assert rep["step"] == 1 and rep["ballast"] == [100] and rep["model_equal"], rep
+
+
 # ---------------------------------------------------------------- the rank programs
 def _setup():
     from tests.test_async_multirank import _setup as setup
@@ -255,7 +374,7 @@ def resume_main(a) -> None:
     step = mgr.load(state)
     mgr.close()
     want = torch.load(Path(a.root).parent / f"snap.rank{rank}.model", weights_only=True)
-    got = state["model"].module.state_dict()
+    got = getattr(state["model"], "module", state["model"]).state_dict()  # DDP only on several ranks
     report = {
         "step": step,
         "ballast": sorted({float(x) for x in state["ballast"].unique()}),
@@ -265,16 +384,46 @@ def resume_main(a) -> None:
     dist.destroy_process_group()
 
 
+def nodes_main(a) -> None:
+    """Step 1 saved and awaited (durable), step 2 only snapshotted; report; wait to be killed."""
+    import torch
+
+    from ftkit.checkpoint import CheckpointConfig
+    from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
+    from tests.ckpt_helpers import build_state
+    from tests.test_async_multirank import _train_step
+
+    rank, world = _setup()
+    state, loader = build_state(rank=rank, world_size=world)
+    state["ballast"] = torch.zeros(a.mb << 18)
+    mgr = AsyncCheckpointer(
+        CheckpointConfig(root=a.root), rank=rank, world_size=world,
+        async_config=AsyncConfig(memory_every=1, crash_safe=True, commit_timeout=10),
+    )
+    batches = iter(loader)
+    _train_step(state, next(batches))
+    state["ballast"].fill_(100 + rank)
+    mgr.save(1, state)
+    mgr.wait()  # collective: both ranks' parts are in, rank 0's saver committed step 1
+    torch.save(state["model"].module.state_dict(), f"{a.out}.rank{rank}.model")
+    _train_step(state, next(batches))
+    state["ballast"].fill_(200 + rank)
+    assert mgr.on_step(2, state)  # a memory snapshot, never asked to persist
+    report = {"saver": mgr._backend.saver_pid, "pid": os.getpid(), "saver_children": _saver_children()}
+    Path(f"{a.out}.rank{rank}.json").write_text(json.dumps(report))
+    time.sleep(300)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
     ap = argparse.ArgumentParser()
-    ap.add_argument("command", choices=["snap", "resume"])
+    ap.add_argument("command", choices=["snap", "resume", "nodes"])
     ap.add_argument("--mode", choices=["save", "memory"], default="save")
     ap.add_argument("--mb", type=int, default=8)
     ap.add_argument("--root", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    {"snap": snap_main, "resume": resume_main}[args.command](args)
+    {"snap": snap_main, "resume": resume_main, "nodes": nodes_main}[args.command](args)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # see test_async_multirank: gloo teardown at interpreter exit can abort
