@@ -190,16 +190,7 @@ def open_direct(path: Path, *, required: bool, crc: Callable[[Any, int], int] | 
         # Linux creates the file before it checks O_DIRECT; O_EXCL made it ours
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        if required:
-            raise CheckpointError(
-                f"checkpoint.direct_io=True but the filesystem of {path.parent} refuses O_DIRECT "
-                f"({exc.strerror}); set checkpoint.direct_io to None (use it where available) or False"
-            ) from exc
-        dev = os.stat(path.parent).st_dev
-        if dev not in _refused:
-            log.info("the filesystem of %s refuses O_DIRECT (%s); checkpoints there are written "
-                     "through the page cache", path.parent, exc.strerror)
-        _refused[dev] = exc.strerror or str(exc)
+        _refusal(exc, path, required=required, done="written")
         return None
     return DirectFile(fd, path, bounce=_bounce, crc=crc)
 
@@ -389,17 +380,23 @@ def open_direct_read(path: Path, *, required: bool = False) -> int | None:
     except OSError as exc:
         if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
             raise
-        if required:
-            raise CheckpointError(
-                f"checkpoint.direct_io=True but the filesystem of {path} refuses O_DIRECT "
-                f"({exc.strerror}); set checkpoint.direct_io to None (use it where available) or False"
-            ) from exc
-        dev = os.stat(path.parent).st_dev
-        if dev not in _refused:
-            log.info("the filesystem of %s refuses O_DIRECT (%s); checkpoints there are read "
-                     "through the page cache", path.parent, exc.strerror)
-        _refused[dev] = exc.strerror or str(exc)
+        _refusal(exc, path, required=required, done="read")
         return None
+
+
+def _refusal(exc: OSError, path: Path, *, required: bool, done: str) -> None:
+    """An open refused only because of O_DIRECT: an error where ``checkpoint.direct_io`` is True,
+    else the filesystem is remembered (and logged once) so later opens go through the cache."""
+    if required:
+        raise CheckpointError(
+            f"checkpoint.direct_io=True but the filesystem of {path.parent} refuses O_DIRECT "
+            f"({exc.strerror}); set checkpoint.direct_io to None (use it where available) or False"
+        ) from exc
+    dev = os.stat(path.parent).st_dev
+    if dev not in _refused:
+        log.info("the filesystem of %s refuses O_DIRECT (%s); checkpoints there are %s "
+                 "through the page cache", path.parent, exc.strerror, done)
+    _refused[dev] = exc.strerror or str(exc)
 
 
 def read_buffer(nbytes: int) -> tuple[mmap.mmap, memoryview]:
