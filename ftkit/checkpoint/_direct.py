@@ -389,7 +389,7 @@ def _refusal(exc: OSError, path: Path, *, required: bool, done: str) -> None:
     else the filesystem is remembered (and logged once) so later opens go through the cache."""
     if required:
         raise CheckpointError(
-            f"checkpoint.direct_io=True but the filesystem of {path.parent} refuses O_DIRECT "
+            f"checkpoint.direct_io=True but the filesystem of {path} refuses O_DIRECT "
             f"({exc.strerror}); set checkpoint.direct_io to None (use it where available) or False"
         ) from exc
     dev = os.stat(path.parent).st_dev
