@@ -117,7 +117,7 @@ def _report(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     console = Console(soft_wrap=True)
-    console.print(f"[bold]{report['jobdir']}[/]: {len(report['runs'])} runs, wall time {_dur(report['wall'])}"
+    console.print(f"[bold]{report['jobdir']}[/]: {len(report['runs'])} run{'' if len(report['runs']) == 1 else 's'}, wall time {_dur(report['wall'])}"
                   f", between runs {_dur(report['between_runs'])}")
     runs = Table("run", "job / restart", "nodes / ranks", "start", "first step", "end", "steps",
                  "exit", "resumed from", "last durable", title="runs")
