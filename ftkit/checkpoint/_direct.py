@@ -172,15 +172,8 @@ def open_direct(path: Path, *, required: bool, crc: Callable[[Any, int], int] | 
 
     ``crc`` (``crc(data, value) -> value``, e.g. ``zlib.crc32``): if the file stages every byte
     (:func:`set_bounce`), it checksums them as it stages them (:attr:`DirectFile.crc`)."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        if required:
-            raise CheckpointError(
-                f"checkpoint.direct_io=True but this platform has no O_DIRECT (writing {path}); "
-                "set checkpoint.direct_io to None (use it where available) or False"
-            )
-        return None
-    if _refused and not required and os.stat(path.parent).st_dev in _refused:
+    flag = _direct_flag(path, required=required, doing="writing")
+    if flag is None:
         return None
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | flag, 0o666)
@@ -365,15 +358,8 @@ def open_direct_read(path: Path, *, required: bool = False) -> int | None:
     refuses it (logged once per filesystem, as for writes) and ``required`` is false, else
     :class:`CheckpointError` naming ``checkpoint.direct_io``. Errors other than a refusal
     (``ENOENT``, ``EACCES``, ...) are raised as they are."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        if required:
-            raise CheckpointError(
-                f"checkpoint.direct_io=True but this platform has no O_DIRECT (reading {path}); "
-                "set checkpoint.direct_io to None (use it where available) or False"
-            )
-        return None
-    if _refused and not required and os.stat(path.parent).st_dev in _refused:
+    flag = _direct_flag(path, required=required, doing="reading")
+    if flag is None:
         return None
     try:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC | flag)
@@ -382,6 +368,23 @@ def open_direct_read(path: Path, *, required: bool = False) -> int | None:
             raise
         _refusal(exc, path, required=required, done="read")
         return None
+
+
+def _direct_flag(path: Path, *, required: bool, doing: str) -> int | None:
+    """``O_DIRECT`` for opening ``path``, or None to go through the page cache: the platform
+    has no ``O_DIRECT`` (an error where ``checkpoint.direct_io`` is True), or the filesystem
+    of ``path`` already refused it (remembered by :func:`_refusal`)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        if required:
+            raise CheckpointError(
+                f"checkpoint.direct_io=True but this platform has no O_DIRECT ({doing} {path}); "
+                "set checkpoint.direct_io to None (use it where available) or False"
+            )
+        return None
+    if _refused and not required and os.stat(path.parent).st_dev in _refused:
+        return None
+    return flag
 
 
 def _refusal(exc: OSError, path: Path, *, required: bool, done: str) -> None:
