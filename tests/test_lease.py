@@ -240,6 +240,39 @@ def test_two_rank_run_holds_one_lease_and_a_second_fails_on_every_rank(tmp_path:
     assert_all_checkpoints_valid(jobdir)
 
 
+def test_a_later_run_on_a_killed_job_dir_is_not_refused_but_does_nothing(tmp_path: Path) -> None:
+    """The kill switch is on while a run still holds the job dir (it exits at its next check):
+    a later job on the job dir (an array task, a requeue) must not fail with 86 but end like
+    any run on a killed job dir: code 0 on every rank, nothing saved, not requeued."""
+    jobdir, control = tmp_path / "job", tmp_path / "ctl"
+    first = launch(jobdir, control, "--hold-at", "5", world=2)
+    try:
+        holding(control, world=2)
+        subprocess.run([sys.executable, "-m", "ftkit", "kill", str(jobdir)], check=True, capture_output=True,
+                       env=env())
+        before = snapshot(jobdir)
+        results = finish(launch(jobdir, tmp_path / "ctl2", world=2))
+        assert [rc for rc, _ in results] == [0, 0], results
+        assert all("Traceback" not in err for _, err in results), results
+        assert "kill-switch" in results[0][1] and "saves nothing" in results[0][1]
+        assert [(tmp_path / "ctl2" / f"done-rank{r}").read_text() for r in range(2)] == ["False", "False"]
+        assert snapshot(jobdir) == before  # saved nothing, removed nothing
+        (refused,) = events(jobdir, "lease-refused")
+        assert refused["idle"] is True and refused["exit_code"] == 0
+        later = [e for e in events(jobdir, "start") if e["pid"] in {refused["pid"]}]
+        assert len(later) == 1 and later[0]["kill_switch"] is True
+        assert LeaseRecord.read(jobdir / "lease.json").pid != refused["pid"]  # still the first run's
+        decided = subprocess.run([sys.executable, "-m", "ftkit", "requeue", str(jobdir), "--exit-code", "0",
+                                  "--dry-run"], capture_output=True, text=True, env=env())
+        assert decided.returncode == 0, decided.stderr
+        assert "not requeued: kill-switch" in decided.stdout and "did nothing" in decided.stdout
+    finally:
+        (control / "release").touch()
+        results = finish(first)
+    assert [rc for rc, _ in results] == [0, 0], results  # the holder stops at its next check
+    assert LeaseRecord.read(jobdir / "lease.json").released is not None
+
+
 # -- the rules -------------------------------------------------------------------------------
 
 

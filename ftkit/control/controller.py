@@ -156,13 +156,15 @@ class FaultTolerance:
         slurm = SlurmEnv.from_env()
         if self.world_size > 1:
             self._collective = Collective(self.config.agreement, self._group)
+        killed = self.job.kill_switch.is_file() and not self.job.kill_switch.is_symlink()
+        # a killed job dir's run does nothing, so another run's lease does not refuse it
         self._lease = take_lease(
             self.job, self.config.lease, events=self.events, rank=self.rank, world_size=self.world_size,
             group=self._group, device=self.config.agreement.device, job_id=slurm.job_id,
-            restart_count=slurm.restart_count,
+            restart_count=slurm.restart_count, idle_if_busy=killed,
             on_lost=lambda why: self.box.post(Request(Action.EXIT, Source.API, why, requeue=False)))
         self._started = True
-        if self.job.kill_switch.is_file() and not self.job.kill_switch.is_symlink():
+        if killed:
             self._no_save_at_start = True
             log.warning("kill-switch %s exists: this run saves nothing and exits at its first check",
                         self.job.kill_switch)
@@ -175,7 +177,8 @@ class FaultTolerance:
                 "time budget: only %.0f s left at start, less than save %.0f s + margin %.0f s; the "
                 "job will stop after its first step. Ask for more time or lower budget.margin / "
                 "budget.save_estimate", left, self.budget.save_estimate, self.budget.config.margin)
-        self.watchdog.start()
+        if not killed:  # a killed run does nothing to watch, and must not touch a holder's heartbeats
+            self.watchdog.start()
         if self.config.save_every == "auto":
             self._auto = self._auto_interval()
         self.events.emit(

@@ -105,13 +105,16 @@ class Lease:
 
     # -- acquire ---------------------------------------------------------------------------
 
-    def acquire(self) -> None:
-        """Take the lease or raise :class:`JobDirBusyError` (after a ``lease-refused`` event)."""
+    def acquire(self, *, idle_if_busy: bool = False) -> None:
+        """Take the lease or raise :class:`JobDirBusyError` (after a ``lease-refused`` event).
+
+        ``idle_if_busy``: this run will do nothing (the kill switch is on), so a held lease is
+        no error: the event says ``idle`` and exit code 0, and the log a warning."""
         with _HELD_LOCK:
             try:
                 verdict, held = self._acquire()
             except JobDirBusyError as exc:
-                self._refuse(str(exc), exc.holder)
+                self._refuse(str(exc), exc.holder, idle=idle_if_busy)
                 raise
         if verdict.kind == "takeover":
             assert held is not None
@@ -206,11 +209,18 @@ class Lease:
             f"(ftkit requeue does not requeue it). Wait for that run to end, end it (scancel, kill), or give this "
             f"run another job dir; `ftkit status {self.job.root}` shows the holder.")
 
-    def _refuse(self, message: str, holder: LeaseRecord | None) -> None:
-        log.error("%s", message)
+    def _refuse(self, message: str, holder: LeaseRecord | None, *, idle: bool = False) -> None:
+        if idle:
+            who = holder.holder if holder is not None else "another process"
+            message = (f"job dir {self.job.root} is in use by another run ({who}), and its kill-switch "
+                       f"{self.job.kill_switch} is on: this run runs without the lease, saves nothing and exits "
+                       "at its first check with code 0 (ftkit requeue does not requeue it)")
+            log.warning("%s", message)
+        else:
+            log.error("%s", message)
         self._events.emit("lease-refused", job_id=self.record.job_id, restart_count=self.record.restart_count,
-                          holder=None if holder is None else asdict(holder), exit_code=EXIT_JOBDIR_BUSY,
-                          reason=message)
+                          holder=None if holder is None else asdict(holder),
+                          exit_code=0 if idle else EXIT_JOBDIR_BUSY, idle=idle, reason=message)
 
     # -- heartbeat -------------------------------------------------------------------------
 
@@ -284,24 +294,46 @@ def agree_refused(refused: int, group: Any, device: str | None = None) -> int:
     return int(flag.item())
 
 
+def _destroy_group_at_exit() -> None:
+    """This process ends on ftkit's exception while its process group lives: tear the group
+    down at interpreter exit. A gloo group left to the interpreter's shutdown aborts it now
+    and then ("terminate called without an active exception", SIGABRT), and exit code 86
+    would become -6, which ``ftkit requeue`` reads as a crash."""
+    import atexit
+
+    def destroy() -> None:
+        import torch.distributed as dist
+
+        with contextlib.suppress(Exception):
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+
+    atexit.register(destroy)
+
+
 def take_lease(job: JobDir, config: LeaseConfig, *, events: EventLog, rank: int = 0, world_size: int = 1,
                group: Any = None, device: str | None = None, job_id: str | None = None, restart_count: int = 0,
-               on_lost: Callable[[str], None] | None = None) -> Lease | None:
+               on_lost: Callable[[str], None] | None = None, idle_if_busy: bool = False) -> Lease | None:
     """Rank 0 takes the lease; every rank learns the outcome (one all-reduce when
     ``world_size > 1``) and raises the same way, so no rank waits in a later collective for a
-    rank that stopped. Returns rank 0's :class:`Lease` (None on other ranks or when disabled)."""
+    rank that stopped. Returns rank 0's :class:`Lease` (None on other ranks or when disabled).
+
+    ``idle_if_busy`` (rank 0's counts): the run will do nothing because the kill switch is on,
+    so a lease held by another run returns None on every rank instead of raising: a later
+    job on a killed job dir ends with code 0 even while another one is still exiting."""
     if not config.enabled:
         return None
     lease: Lease | None = None
     error: BaseException | None = None
-    outcome = 0
+    outcome = 0  # 0: taken, 1: held by another run, 2: failed, 3: held, and this run stays idle
     if rank == 0:
         lease = Lease(job, config, events=events, world_size=world_size, job_id=job_id,
                       restart_count=restart_count, on_lost=on_lost)
         try:
-            lease.acquire()
+            lease.acquire(idle_if_busy=idle_if_busy)
         except JobDirBusyError as exc:
-            outcome, error = 1, exc
+            outcome, error = (3, None) if idle_if_busy else (1, exc)
+            lease = None if idle_if_busy else lease
         except Exception as exc:
             outcome, error = 2, exc
     if world_size > 1:
@@ -311,8 +343,12 @@ def take_lease(job: JobDir, config: LeaseConfig, *, events: EventLog, rank: int 
             if lease is not None:
                 lease.release()
             raise
+        if outcome in (1, 2):
+            _destroy_group_at_exit()
     if outcome == 0:
         return lease
+    if outcome == 3:
+        return None
     if error is not None:
         raise error
     if outcome == 1:

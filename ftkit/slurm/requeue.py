@@ -437,6 +437,10 @@ def decide(
         )
 
     # 0. this run never had the job dir: it must not touch the run that has it
+    if refused is not None and refused.get("idle"):
+        return verdict(False, "stopped", f"kill-switch {job.kill_switch} is present; another run held the job dir, "
+                       "this one did nothing (remove the kill-switch with `ftkit kill --clear` to let the job "
+                       "run again)")
     if refused is not None or rc == EXIT_JOBDIR_BUSY:
         holder = (refused or {}).get("holder") or {}
         who = holder.get("holder") if isinstance(holder, dict) else None
