@@ -249,6 +249,86 @@ def test_with_nothing_older_a_corrupt_newest_leaves_the_live_state_untouched(tmp
         make_mgr(root, resume="required").load(live)
 
 
+def _pointers(state) -> list[int]:
+    return ([t.data_ptr() for t in state["model"].state_dict().values()]
+            + [v.data_ptr() for st in state["optimizer"].state.values() for v in st.values() if torch.is_tensor(v)])
+
+
+@pytest.mark.parametrize("chunk", [64 << 10, 16 << 20], ids=["pieces-inside-tensors", "16MiB-pieces"])
+def test_with_an_older_checkpoint_the_newest_is_read_once_straight_into_the_live_tensors(tmp_path, monkeypatch,
+                                                                                        chunk):
+    """An older checkpoint to fall back on: the newest file is read once, with O_DIRECT, and
+    its tensors' bytes go straight into the live model's and optimizer's tensors (no fresh
+    buffer for them, nothing allocated in their place); the state is exactly step 3's."""
+    monkeypatch.setattr(_reader, "CHUNK", chunk)
+    root = tmp_path / "ck"
+    mgr = make_mgr(root, keep_last=None)
+    mgr.save(2, _state(2))
+    newest = _state(3)
+    mgr.save(3, newest)
+    want = _snapshot(newest)
+    path = root / "step-00000003" / "rank-00000.pt"
+    reads = _spy_reads(monkeypatch)
+    into_buffer: list[int] = []
+    real_scatter = _reader.scatter_file
+
+    def scatter(*args, **kwargs):  # how many bytes the file sent to the fresh buffer
+        mapping, view = real_scatter(*args, **kwargs)
+        into_buffer.append(sum(1 for i in range(0, view.nbytes, 4096) if any(view[i : i + 4096])))
+        return mapping, view
+
+    monkeypatch.setattr(_single, "scatter_file", scatter)
+    live = _state(9)
+    before = _pointers(live)
+    assert make_mgr(root).load(live) == 3
+    assert _same(_snapshot(live), want)
+    assert _pointers(live) == before  # the same tensors, filled in place
+    spans = _coverage(reads, path.stat().st_ino)
+    direct = [(off, off + n) for i, off, n, d in reads if i == path.stat().st_ino and n and d]
+    assert sum(b - a for a, b in direct) >= path.stat().st_size - (1 << 20)  # the bulk: once, O_DIRECT
+    assert sum(b - a for a, b in spans) <= path.stat().st_size + (1 << 20)  # + the zip directory
+    tensors = sum(t.numel() * t.element_size() for t in _state(0)["model"].state_dict().values()) * 3
+    assert into_buffer and into_buffer[0] * 4096 < tensors / 4  # the tensors' pages were never written there
+
+
+def test_a_fresh_optimizer_gets_moments_of_its_own_read_straight_from_the_file(tmp_path):
+    """A requeued run's optimizer has no state yet: its moments have no live tensor to go to.
+    They are read into memory of their own (no shared read buffer kept alive, no second copy),
+    bit for bit step 3's."""
+    root = tmp_path / "ck"
+    mgr = make_mgr(root, keep_last=None)
+    mgr.save(2, _state(2))
+    newest = _state(3)
+    mgr.save(3, newest)
+    want = _snapshot(newest)
+    torch.manual_seed(9)
+    model = torch.nn.Linear(300, 200)
+    live = {"model": model, "optimizer": torch.optim.Adam(model.parameters(), lr=0.1),
+            "extra": {"value": 0.0, "t": torch.zeros(5)}}
+    assert not live["optimizer"].state
+    assert make_mgr(root).load(live) == 3
+    assert _same(_snapshot(live), want)
+    for st in live["optimizer"].state.values():
+        for v in st.values():
+            if torch.is_tensor(v):
+                assert v.untyped_storage().nbytes() == v.numel() * v.element_size()
+
+
+def test_a_corrupt_newest_read_into_the_live_state_with_a_corrupt_older_one_refuses_to_start_fresh(tmp_path):
+    """Both checkpoints corrupt in their tensor data: the newest was already read into the live
+    tensors when its checksum failed, and nothing older overwrote them. A fresh start from that
+    state would train on part of a corrupt checkpoint: the load fails and says what to do."""
+    root = tmp_path / "ck"
+    mgr = make_mgr(root, keep_last=None)
+    mgr.save(2, _state(2))
+    mgr.save(3, _state(3))
+    for step in (2, 3):
+        _flip(root / f"step-{step:08d}" / "rank-00000.pt", 0.5)
+    with pytest.raises(CheckpointError, match=r"step-00000003 was found corrupt while it was read into the live "
+                                              r"state.*Move the broken step directories"):
+        make_mgr(root).load(_state(9))
+
+
 def test_verify_share_checks_every_file_once_among_the_ranks():
     files = {"rank-00000.pt": {}, "rank-00001.pt": {}, "rank-00002.pt": {}, "dcp/.metadata": {},
              "dcp/__0_0.distcp": {}, "dcp/__1_0.distcp": {}, "dcp/__2_0.distcp": {}, "dcp/__2_1.distcp": {}}

@@ -36,8 +36,8 @@ from ._load import check_missing, describe_rule, is_dcp, match_keys
 from ._manifest import build_manifest, validate_dir, verify_files, verify_share, write_manifest
 from ._pins import pin_checkpoint, unpin_checkpoint
 from ._retention import delete_checkpoint, plan_retention
-from ._single import WriteProgress, read_state_file, write_state_file
-from ._state import Snapshot, derive_rng, own_tensors, restore_rng, restore_state, take_snapshot
+from ._single import WriteProgress, read_state_file, read_state_into, write_state_file
+from ._state import Snapshot, derive_rng, live_targets, own_tensors, restore_rng, restore_state, take_snapshot
 
 __all__ = ["Checkpointer"]
 
@@ -76,6 +76,7 @@ class Checkpointer:
         self._closed = False
         self.loaded: CheckpointInfo | None = None
         """The checkpoint the last ``load`` restored (its ``world_size`` is the saving run's)."""
+        self._into_live_used = False  # the last _try_load read tensors straight into live ones
 
     @property
     def root(self) -> Path:
@@ -287,11 +288,17 @@ class Checkpointer:
         else:
             candidates = [self.root / step_name(step)]
         skipped: list[str] = []
-        for path in candidates:
+        damaged: Path | None = None  # a corrupt checkpoint read into the live tensors
+        for i, path in enumerate(candidates):
             problem = self._agree_valid(path)
             found = time.monotonic()
+            # straight into the live tensors only with an older checkpoint to overwrite them
+            # if this one turns out corrupt during the read
+            direct = step is None and any(validate_dir(p).valid for p in candidates[i + 1 :])
             if not problem:
-                problem = self._try_load(state, path)
+                problem = self._try_load(state, path, into_live=direct)
+                if problem and direct and self._into_live_used:
+                    damaged = path
             if not problem:
                 self.loaded = validate_dir(path)
                 restored = int(self.loaded.step)
@@ -306,6 +313,13 @@ class Checkpointer:
         if step is not None:
             raise NoCheckpointError(
                 f"checkpoint step {step} in {self.root} cannot be loaded: {skipped[0]}"
+            )
+        if damaged is not None:
+            raise CheckpointError(
+                f"{damaged} was found corrupt while it was read into the live state, and no older "
+                f"checkpoint in {self.root} could be loaded to overwrite it (skipped: {'; '.join(skipped)}): "
+                "this run cannot start fresh from a state that holds part of a corrupt checkpoint. Move the "
+                f"broken step directories out of {self.root} and start again (a fresh start), or restore them"
             )
         if mode == "required":
             detail = f" (skipped: {'; '.join(skipped)})" if skipped else ""
@@ -326,12 +340,16 @@ class Checkpointer:
         problems = [p for p in self.comm.gather(problem) if p]
         return problems[0] if problems else ""
 
-    def _try_load(self, state: Mapping[str, Any], path: Path) -> str:
+    def _try_load(self, state: Mapping[str, Any], path: Path, *, into_live: bool = False) -> str:
         """Load ``path`` into ``state`` on any number of ranks (``_load``'s world-size rule).
 
         Returns a problem with the files (the checkpoint is skipped); a key of the state the
         checkpoint lacks raises (``_load``'s strictness rule), before anything is restored.
+        ``into_live`` (one process, a state file): the file's tensors are read straight into
+        the live tensors that take them (:func:`._single.read_state_into`), so a corrupt file
+        leaves its bytes there; ``_into_live_used`` says whether that happened.
         """
+        self._into_live_used = False
         info = validate_dir(path)
         saved_world = int(info.world_size or 1)
         sharded = is_dcp(info.files)
@@ -352,8 +370,12 @@ class Checkpointer:
                 problem = verify_files(path, info.files, dcp_files, cache=True)
                 if problem:
                     raise CheckpointError(problem)
-            payload = read_state_file(path, name, info.files[name], verify=verify, mmap=True,
-                                      direct=self.config.direct_io)
+            if into_live and not sharded and not self.comm.distributed:
+                payload = read_state_into(path, name, info.files[name], lambda p: self._targets(state, p, path),
+                                          verify=verify, direct=self.config.direct_io)
+            else:
+                payload = read_state_file(path, name, info.files[name], verify=verify, mmap=True,
+                                          direct=self.config.direct_io)
             available = set(payload["state"])
             if sharded:
                 from ._dcp import saved_keys
@@ -392,8 +414,9 @@ class Checkpointer:
             for key, value in live.items():  # a model saved inside DDP loads without it, and back
                 if isinstance(value, torch.nn.Module) and key in saved:
                     saved[key] = match_keys(saved[key], list(value.state_dict()), f"{path}: state[{key!r}]")
-        # the payload's tensors are views of the mapped file: what a live object keeps is copied
-        restore_state(rest, own_tensors(rest, saved))
+        # the payload's tensors are views of the read buffer: what a live object keeps is copied
+        # (unless each was read into a live tensor or memory of its own: read_state_into)
+        restore_state(rest, saved if payload.get("owned") else own_tensors(rest, saved))
         for key, value in rest.items():  # plain values restored by replacement
             if state[key] is value:
                 continue
@@ -403,6 +426,28 @@ class Checkpointer:
                 log.warning("state[%r] is a plain value in a read-only mapping; restored value dropped", key)
         restore_rng(payload["rng"] if own else derive_rng(payload["rng"], self.rank))
         return ""
+
+    def _targets(self, state: Mapping[str, Any], payload: Mapping[str, Any], path: Path) -> dict[int, Any]:
+        """The live tensors the payload's tensors will be copied into (``live_targets``), or
+        none when the load would refuse the checkpoint anyway (a missing key): nothing of it
+        may reach the live state then."""
+        import torch
+
+        saved = payload.get("state")
+        if not isinstance(saved, Mapping):
+            return {}
+        if any(k not in saved and self.config.strict and k not in self.config.allow_missing for k in state):
+            return {}  # check_missing refuses this checkpoint after the read
+        matched = dict(saved)
+        for key, value in state.items():  # as _try_load: a model saved inside DDP, or back
+            if isinstance(value, torch.nn.Module) and isinstance(saved.get(key), Mapping):
+                try:
+                    matched[key] = match_keys(saved[key], list(value.state_dict()), f"{path}: state[{key!r}]")
+                except Exception:
+                    matched.pop(key)
+        found = live_targets(state, matched)
+        self._into_live_used = bool(found)
+        return found
 
     # ------------------------------------------------------------------ listing, retention
     def list(self) -> list[CheckpointInfo]:

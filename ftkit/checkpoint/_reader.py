@@ -19,11 +19,21 @@ Two destinations:
 * :func:`check_file` only checksums, through a few reused staging buffers
   (:func:`._direct.take_stage`): validating a file another process reads, or one a library
   reads by itself (DCP's), without holding it in memory. ``cache=True`` reads it through the
-  page cache instead, so that the library's read that follows on this node finds it there.
+  page cache instead, so that the library's read that follows on this node finds it there;
+* :func:`scatter_file` reads through the same reused staging buffers and copies each piece,
+  once its CRC-32 is taken, to where its bytes are wanted: ranges of the file into memory of
+  the caller's (the live tensors of a resume, which are already faulted in), the rest into
+  fresh page-aligned memory as :func:`read_file` does. Fresh memory costs the kernel a
+  zeroed page per 4 KiB the first time it is written, about as long as the disk takes to
+  read it here; memory that is already in use costs only the copy. The bytes reach the
+  caller's memory before the CRC-32 of the whole file is known: a caller that cannot afford
+  a corrupt file's bytes there must not use it (:mod:`._manager` uses it only when an
+  older checkpoint is there to fall back on, which overwrites them).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 from collections.abc import Callable, Mapping
@@ -34,7 +44,7 @@ from typing import Any
 from ._direct import BLOCK, open_direct_read, read_buffer, take_stage
 from ._files import CHECKSUM, crc32
 
-__all__ = ["CHUNK", "DEPTH", "FileProblem", "check_file", "read_file"]
+__all__ = ["CHUNK", "DEPTH", "FileProblem", "check_file", "read_file", "scatter_file"]
 
 CHUNK = 16 << 20  # one request: whole blocks, at most a staging buffer (the device's best size here)
 DEPTH = 4  # requests in flight: a queue deep enough for an NVMe or virtio disk to stream
@@ -102,20 +112,29 @@ def _stream(
     done: Callable[[int], None] = lambda i: None,
     *,
     window: int,
+    arrived: Callable[[int, int], None] | None = None,
 ) -> int:
     """Read the file's ``size`` bytes in :data:`CHUNK` pieces, piece ``i`` into ``dest(i)``
     (a page-aligned buffer of up to :data:`CHUNK` bytes, whole blocks), with up to ``window``
     pieces in flight; CRC-32 each piece in file order as soon as it arrived, then ``done(i)``
     (after which ``dest(i)``'s memory may be reused for piece ``i + window``). Returns the
-    CRC-32. A file that ends early or runs on (changed since it was sized) is a problem."""
+    CRC-32. A file that ends early or runs on (changed since it was sized) is a problem.
+    ``arrived(i, n)`` runs on the helper thread right after piece ``i``'s read (``n`` bytes),
+    in parallel with the CRC-32 of the pieces before it."""
     pieces = -(-size // CHUNK)
     crc = 0
     with ThreadPoolExecutor(min(DEPTH, max(1, pieces)), thread_name_prefix="ftkit-read") as pool:
         pending: dict[int, Future[int]] = {}
 
+        def fill(i: int) -> int:
+            n = source.read(dest(i), i * CHUNK)
+            if arrived is not None and n == min(CHUNK, size - i * CHUNK):
+                arrived(i, n)
+            return n
+
         def submit(i: int) -> None:
             if i < pieces:
-                pending[i] = pool.submit(source.read, dest(i), i * CHUNK)
+                pending[i] = pool.submit(fill, i)
 
         try:
             for i in range(min(window, pieces)):
@@ -206,3 +225,75 @@ def check_file(
         for _, release in stages:
             release()
     _check_crc(name, crc, want)
+
+
+Target = tuple[int, int, memoryview]
+"""``(start, end, memory)``: the file's bytes ``[start, end)`` go to ``memory`` (``end - start`` bytes)."""
+
+
+def scatter_file(
+    path: Path,
+    meta: Mapping[str, Any],
+    plan: Callable[[Any, memoryview, Callable[[int, int], None]], list[Target]],
+    *,
+    verify: bool = True,
+    direct: bool | None = None,
+) -> tuple[Any, memoryview]:
+    """Read ``path`` once, each piece to where ``plan`` wants it; ``(mapping, view)`` as
+    :func:`read_file`, with the bytes ``plan`` sent elsewhere left unread (zero) in it.
+
+    ``plan(mapping, view, fetch)`` runs before the bulk of the file is read: ``fetch(start,
+    end)`` reads a small part of the file into ``view`` at its offset (a header, an index), and
+    ``plan`` returns the ranges of the file that go to the caller's memory instead of
+    ``view`` (sorted, not overlapping). Then the whole file streams through reused staging
+    buffers, CRC-32 in file order as in :func:`read_file`, every piece copied to its
+    targets and the rest into ``view``. Raises :class:`FileProblem` as :func:`read_file`; by
+    then the targets hold the file's (wrong) bytes."""
+    name = path.name
+    size, want = _expected(name, meta)
+    mapping, whole = read_buffer(size)
+    stages = [take_stage() for _ in range(min(DEPTH, max(1, -(-size // CHUNK))))]
+    try:
+        source = _open(path, name, size, direct=direct, cache=False)
+        try:
+            def fetch(start: int, end: int) -> None:
+                start, end = max(0, start), min(size, end)
+                if end > start and os.preadv(source.fd, [whole[start:end]], start) != end - start:
+                    raise FileProblem(f"{name}: ends before byte {end} (the manifest says {size})")
+
+            targets = plan(mapping, whole[:size], fetch)
+            starts = [t[0] for t in targets]
+
+            def place(i: int, n: int) -> None:
+                """Piece ``i`` (on its reader thread): to its targets, the rest into the buffer."""
+                lo, hi = i * CHUNK, i * CHUNK + n
+                piece = stages[i % len(stages)][0]
+                pos = lo
+                j = max(0, bisect.bisect_right(starts, lo) - 1)  # the target holding lo, if any
+                while pos < hi:
+                    while j < len(targets) and targets[j][1] <= pos:
+                        j += 1
+                    if j < len(targets) and targets[j][0] < hi:
+                        start, end, memory = targets[j]
+                        if pos < start:  # the bytes before this target: into the buffer
+                            whole[pos:start] = piece[pos - lo : start - lo]
+                            pos = start
+                        stop = min(end, hi)
+                        memory[pos - start : stop - start] = piece[pos - lo : stop - lo]
+                        pos = stop
+                    else:
+                        whole[pos:hi] = piece[pos - lo : hi - lo]
+                        pos = hi
+
+            crc = _stream(source, size, lambda i: stages[i % len(stages)][0][:CHUNK], window=len(stages),
+                          arrived=place)
+        finally:
+            source.close()
+    except OSError as exc:
+        raise FileProblem(f"cannot read {name}: {exc.strerror or exc}") from exc
+    finally:
+        for _, release in stages:
+            release()
+    if verify:
+        _check_crc(name, crc, want)
+    return mapping, whole[:size]

@@ -23,10 +23,13 @@ entry points, the buffer is parsed by plain ``torch.load`` (same result, each te
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import logging
 import pickle
-from collections.abc import Mapping
+import struct
+import zipfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +38,10 @@ import torch
 from ..errors import CheckpointError
 from ._direct import BLOCK
 from ._files import CHECKSUM, HashingWriter
-from ._reader import FileProblem, read_file
+from ._direct import address
+from ._reader import FileProblem, Target, read_file, scatter_file
 
-__all__ = ["FILE_FORMAT", "read_state_file", "write_state_file"]
+__all__ = ["FILE_FORMAT", "read_state_file", "read_state_into", "write_state_file"]
 
 log = logging.getLogger(__name__)
 
@@ -247,4 +251,145 @@ def read_state_file(
         raise CheckpointError(f"cannot load {path}: {exc}") from exc
     if not isinstance(payload, dict) or payload.get("format") != FILE_FORMAT:
         raise CheckpointError(f"{path} is not an {FILE_FORMAT} file")
+    return payload
+
+
+class _Fetching:
+    """A read-only file for :mod:`zipfile` that reads through ``fetch`` into ``view``: the
+    archive's directory lands in the buffer at its place, for torch's parser after it."""
+
+    def __init__(self, view: memoryview, fetch: Callable[[int, int], None]) -> None:
+        self._view, self._fetch, self._pos = view, fetch, 0
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = (0, self._pos, self._view.nbytes)[whence] + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seekable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        end = self._view.nbytes if n is None or n < 0 else min(self._view.nbytes, self._pos + n)
+        self._fetch(self._pos, end)
+        data = bytes(self._view[self._pos : end])
+        self._pos = end
+        return data
+
+
+def _fetch_all_but_storages(view: memoryview, fetch: Callable[[int, int], None]) -> None:
+    """Read everything torch's parser looks at into ``view``: the zip directory, every local
+    header, every record but the tensor storages (``*/data/<key>``), which stay unread."""
+    with zipfile.ZipFile(_Fetching(view, fetch)) as archive:  # type: ignore[arg-type]
+        for info in archive.infolist():
+            head = info.header_offset
+            fetch(head, head + 30)
+            name_len, extra_len = struct.unpack("<HH", bytes(view[head + 26 : head + 30]))
+            start = head + 30 + name_len + extra_len
+            fetch(head + 30, start)
+            if "/data/" not in info.filename or info.filename.endswith(".pkl"):
+                fetch(start, start + info.file_size)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _substitute(value: Any, swap: Mapping[int, torch.Tensor]) -> Any:
+    """``value`` with each tensor whose id is in ``swap`` replaced, dicts and lists in place
+    (a module's state dict keeps its ``_metadata``)."""
+    if isinstance(value, torch.Tensor):
+        return swap.get(id(value), value)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            new = _substitute(v, swap)
+            if new is not v:
+                value[k] = new
+    elif isinstance(value, list):
+        value[:] = [_substitute(v, swap) for v in value]
+    elif isinstance(value, tuple):
+        return tuple(_substitute(v, swap) for v in value)
+    return value
+
+
+def _writable(t: torch.Tensor) -> memoryview:
+    return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
+
+
+def read_state_into(
+    directory: Path,
+    name: str,
+    meta: Mapping[str, Any],
+    targets: Callable[[dict[str, Any]], Mapping[int, torch.Tensor]],
+    *,
+    verify: bool = True,
+    direct: bool | None = None,
+) -> dict[str, Any]:
+    """:func:`read_state_file`, with the bytes of some tensors read straight into live ones.
+
+    The archive's directory and pickle are read and parsed first (the storages are not read
+    yet); ``targets(payload)`` names, by ``id`` of the payload's tensor, the live CPU tensor
+    of the same shape and dtype that will take its values. The file then streams through
+    :func:`._reader.scatter_file`: those tensors' bytes go straight into the live tensors
+    (memory already faulted in: a resume's model and optimizer), the others into fresh
+    memory of each tensor's own (not one buffer for all: the load keeps them, an optimizer's
+    moments when it has none yet). In the payload returned each tensor is the live tensor or
+    its own, and ``payload["owned"]`` is True when none is a view of a shared read buffer
+    (then :func:`._state.own_tensors` has nothing to copy). On :class:`CheckpointError` the
+    live tensors may hold the corrupt file's bytes: the caller must have an older checkpoint
+    to overwrite them with."""
+    path = directory / name
+    if not _PARSE_IN_PLACE:  # no in-place parse, nothing to aim at: the plain read
+        return read_state_file(directory, name, meta, verify=verify, direct=direct)
+    holder: dict[str, Any] = {}
+
+    def plan(mapping: Any, view: memoryview, fetch: Callable[[int, int], None]) -> list[Target]:
+        _fetch_all_but_storages(view, fetch)
+        payload = holder["payload"] = _parse(view, mapping)
+        if not isinstance(payload, dict) or payload.get("format") != FILE_FORMAT:
+            raise FileProblem(f"{name} is not an {FILE_FORMAT} file")
+        base = address(view)
+        wanted = targets(payload) if base is not None else {}
+        aims: list[tuple[int, int, int, torch.Tensor]] = []
+        swap: dict[int, torch.Tensor] = {}
+        for saved in _tensors(payload):
+            if base is None or not saved.is_contiguous():
+                continue
+            if saved.numel() == 0:
+                swap[id(saved)] = torch.empty(saved.shape, dtype=saved.dtype)
+                continue
+            live = wanted.get(id(saved))
+            if (live is None or live.device.type != "cpu" or saved.shape != live.shape
+                    or saved.dtype != live.dtype or not live.is_contiguous()):
+                # no live tensor takes it: memory of its own (the load keeps it), not the buffer
+                live = torch.empty(saved.shape, dtype=saved.dtype)
+            start = saved.data_ptr() - base
+            aims.append((start, start + saved.numel() * saved.element_size(), id(saved), live))
+        aims.sort(key=lambda a: a[0])
+        # bytes that two payload tensors share (views of one storage) go to the buffer
+        alone = [a for i, a in enumerate(aims)
+                 if (i == 0 or aims[i - 1][1] <= a[0]) and (i + 1 == len(aims) or a[1] <= aims[i + 1][0])]
+        swap.update({a[2]: a[3] for a in alone})
+        holder["swap"] = swap
+        holder["owned"] = len(swap) == len(_tensors(payload))
+        return [(a[0], a[1], _writable(a[3].detach())) for a in alone]
+
+    try:
+        scatter_file(path, meta, plan, verify=verify, direct=direct)
+    except FileProblem as exc:
+        raise CheckpointError(f"{directory}: {exc}") from exc
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"cannot load {path}: {exc}") from exc
+    payload = _substitute(holder["payload"], holder["swap"])
+    payload["owned"] = holder["owned"]
     return payload

@@ -285,6 +285,44 @@ def _into(current: Any, saved: Any) -> Any:
     return clone_tensors(saved)
 
 
+def live_targets(state: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[int, torch.Tensor]:
+    """For each saved tensor that ``restore_state(state, own_tensors(state, saved))`` would copy
+    into a live tensor, that live tensor, by ``id`` of the saved one: a module's parameters
+    and buffers (by state-dict key), the tensors of a stateful object's ``state_dict()``
+    (an optimizer's moments), a live tensor of the same shape and dtype. A loader may read
+    the saved values straight into them (:func:`._single.read_state_into`)."""
+    out: dict[int, torch.Tensor] = {}
+
+    def pair(live: Any, saved: Any) -> None:
+        if live is _MISSING:
+            return
+        if _same_kind(live, saved):
+            out[id(saved)] = live
+        elif isinstance(live, Mapping) and isinstance(saved, Mapping):
+            for k, v in saved.items():
+                pair(live.get(k, _MISSING), v)
+        elif isinstance(live, list) and isinstance(saved, list) and len(live) == len(saved):
+            for a, b in zip(live, saved, strict=True):
+                pair(a, b)
+
+    def walk(live: Any, saved: Any) -> None:
+        if is_stateful(live):  # a module copies into its own tensors, an optimizer is handed them
+            pair(live.state_dict(), saved)
+        elif isinstance(live, MutableMapping) and isinstance(saved, Mapping):
+            for k, v in saved.items():
+                walk(live.get(k, _MISSING), v)
+        elif isinstance(live, list) and isinstance(saved, list) and len(live) == len(saved):
+            for a, b in zip(live, saved, strict=True):
+                walk(a, b)
+        elif live is not _MISSING:
+            pair(live, saved)
+
+    for key, value in saved.items():
+        if key in state:
+            walk(state[key], value)
+    return out
+
+
 def _same_kind(live: Any, saved: Any) -> bool:
     """Both tensors, same shape and dtype: the saved one is copied into the live one."""
     return (
