@@ -37,7 +37,15 @@ from ._manifest import build_manifest, validate_dir, verify_files, verify_share,
 from ._pins import pin_checkpoint, unpin_checkpoint
 from ._retention import delete_checkpoint, plan_retention
 from ._single import WriteProgress, read_state_file, read_state_into, write_state_file
-from ._state import Snapshot, derive_rng, live_targets, own_tensors, restore_rng, restore_state, take_snapshot
+from ._state import (
+    Snapshot,
+    derive_rng,
+    live_targets,
+    own_tensors,
+    restore_rng,
+    restore_state,
+    take_snapshot,
+)
 
 __all__ = ["Checkpointer"]
 

@@ -36,9 +36,8 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ._direct import BLOCK
+from ._direct import BLOCK, address
 from ._files import CHECKSUM, HashingWriter
-from ._direct import address
 from ._reader import FileProblem, Target, read_file, scatter_file
 
 __all__ = ["FILE_FORMAT", "read_state_file", "read_state_into", "write_state_file"]
