@@ -254,6 +254,15 @@ def _pointers(state) -> list[int]:
             + [v.data_ptr() for st in state["optimizer"].state.values() for v in st.values() if torch.is_tensor(v)])
 
 
+def _two_checkpoints(root) -> dict:
+    """Steps 2 and 3 of two different states in ``root``; step 3's snapshot."""
+    mgr = make_mgr(root, keep_last=None)
+    mgr.save(2, _state(2))
+    newest = _state(3)
+    mgr.save(3, newest)
+    return _snapshot(newest)
+
+
 @pytest.mark.parametrize("chunk", [64 << 10, 16 << 20], ids=["pieces-inside-tensors", "16MiB-pieces"])
 def test_with_an_older_checkpoint_the_newest_is_read_once_straight_into_the_live_tensors(tmp_path, monkeypatch,
                                                                                         chunk):
@@ -262,11 +271,7 @@ def test_with_an_older_checkpoint_the_newest_is_read_once_straight_into_the_live
     buffer for them, nothing allocated in their place); the state is exactly step 3's."""
     monkeypatch.setattr(_reader, "CHUNK", chunk)
     root = tmp_path / "ck"
-    mgr = make_mgr(root, keep_last=None)
-    mgr.save(2, _state(2))
-    newest = _state(3)
-    mgr.save(3, newest)
-    want = _snapshot(newest)
+    want = _two_checkpoints(root)
     path = root / "step-00000003" / "rank-00000.pt"
     reads = _spy_reads(monkeypatch)
     into_buffer: list[int] = []
@@ -296,11 +301,7 @@ def test_a_fresh_optimizer_gets_moments_of_its_own_read_straight_from_the_file(t
     They are read into memory of their own (no shared read buffer kept alive, no second copy),
     bit for bit step 3's."""
     root = tmp_path / "ck"
-    mgr = make_mgr(root, keep_last=None)
-    mgr.save(2, _state(2))
-    newest = _state(3)
-    mgr.save(3, newest)
-    want = _snapshot(newest)
+    want = _two_checkpoints(root)
     torch.manual_seed(9)
     model = torch.nn.Linear(300, 200)
     live = {"model": model, "optimizer": torch.optim.Adam(model.parameters(), lr=0.1),

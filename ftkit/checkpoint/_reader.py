@@ -202,6 +202,30 @@ def read_file(
     return mapping, whole[:size]
 
 
+def _staged(
+    path: Path, name: str, size: int, *, direct: bool | None, cache: bool,
+    prepare: Callable[[_Source, list[memoryview]], Callable[[int, int], None]] | None = None,
+) -> int:
+    """The CRC-32 of ``path``'s ``size`` bytes read through :data:`DEPTH` reused staging
+    buffers. ``prepare(source, stages)``, called once the file is open, returns what to do
+    with each piece as it arrives (``_stream``'s ``arrived``; piece ``i`` is in
+    ``stages[i % len(stages)]``)."""
+    stages = [take_stage() for _ in range(min(DEPTH, max(1, -(-size // CHUNK))))]
+    try:
+        source = _open(path, name, size, direct=direct, cache=cache)
+        try:
+            views = [view for view, _ in stages]
+            arrived = prepare(source, views) if prepare is not None else None
+            return _stream(source, size, lambda i: views[i % len(views)][:CHUNK], window=len(views), arrived=arrived)
+        finally:
+            source.close()
+    except OSError as exc:
+        raise FileProblem(f"cannot read {name}: {exc.strerror or exc}") from exc
+    finally:
+        for _, release in stages:
+            release()
+
+
 def check_file(
     path: Path, meta: Mapping[str, Any], *, name: str | None = None, direct: bool | None = None,
     cache: bool = False,
@@ -212,18 +236,7 @@ def check_file(
     (then through the page cache, which keeps the file for a read on this node that follows)."""
     name = name or path.name
     size, want = _expected(name, meta)
-    stages = [take_stage() for _ in range(min(DEPTH, max(1, -(-size // CHUNK))))]
-    try:
-        source = _open(path, name, size, direct=direct, cache=cache)
-        try:
-            crc = _stream(source, size, lambda i: stages[i % len(stages)][0][:CHUNK], window=len(stages))
-        finally:
-            source.close()
-    except OSError as exc:
-        raise FileProblem(f"cannot read {name}: {exc.strerror or exc}") from exc
-    finally:
-        for _, release in stages:
-            release()
+    crc = _staged(path, name, size, direct=direct, cache=cache)
     _check_crc(name, crc, want)
 
 
@@ -252,48 +265,40 @@ def scatter_file(
     name = path.name
     size, want = _expected(name, meta)
     mapping, whole = read_buffer(size)
-    stages = [take_stage() for _ in range(min(DEPTH, max(1, -(-size // CHUNK))))]
-    try:
-        source = _open(path, name, size, direct=direct, cache=False)
-        try:
-            def fetch(start: int, end: int) -> None:
-                start, end = max(0, start), min(size, end)
-                if end > start and os.preadv(source.fd, [whole[start:end]], start) != end - start:
-                    raise FileProblem(f"{name}: ends before byte {end} (the manifest says {size})")
 
-            targets = plan(mapping, whole[:size], fetch)
-            starts = [t[0] for t in targets]
+    def prepare(source: _Source, stages: list[memoryview]) -> Callable[[int, int], None]:
+        def fetch(start: int, end: int) -> None:
+            start, end = max(0, start), min(size, end)
+            if end > start and os.preadv(source.fd, [whole[start:end]], start) != end - start:
+                raise FileProblem(f"{name}: ends before byte {end} (the manifest says {size})")
 
-            def place(i: int, n: int) -> None:
-                """Piece ``i`` (on its reader thread): to its targets, the rest into the buffer."""
-                lo, hi = i * CHUNK, i * CHUNK + n
-                piece = stages[i % len(stages)][0]
-                pos = lo
-                j = max(0, bisect.bisect_right(starts, lo) - 1)  # the target holding lo, if any
-                while pos < hi:
-                    while j < len(targets) and targets[j][1] <= pos:
-                        j += 1
-                    if j < len(targets) and targets[j][0] < hi:
-                        start, end, memory = targets[j]
-                        if pos < start:  # the bytes before this target: into the buffer
-                            whole[pos:start] = piece[pos - lo : start - lo]
-                            pos = start
-                        stop = min(end, hi)
-                        memory[pos - start : stop - start] = piece[pos - lo : stop - lo]
-                        pos = stop
-                    else:
-                        whole[pos:hi] = piece[pos - lo : hi - lo]
-                        pos = hi
+        targets = plan(mapping, whole[:size], fetch)
+        starts = [t[0] for t in targets]
 
-            crc = _stream(source, size, lambda i: stages[i % len(stages)][0][:CHUNK], window=len(stages),
-                          arrived=place)
-        finally:
-            source.close()
-    except OSError as exc:
-        raise FileProblem(f"cannot read {name}: {exc.strerror or exc}") from exc
-    finally:
-        for _, release in stages:
-            release()
+        def place(i: int, n: int) -> None:
+            """Piece ``i`` (on its reader thread): to its targets, the rest into the buffer."""
+            lo, hi = i * CHUNK, i * CHUNK + n
+            piece = stages[i % len(stages)]
+            pos = lo
+            j = max(0, bisect.bisect_right(starts, lo) - 1)  # the target holding lo, if any
+            while pos < hi:
+                while j < len(targets) and targets[j][1] <= pos:
+                    j += 1
+                if j < len(targets) and targets[j][0] < hi:
+                    start, end, memory = targets[j]
+                    if pos < start:  # the bytes before this target: into the buffer
+                        whole[pos:start] = piece[pos - lo : start - lo]
+                        pos = start
+                    stop = min(end, hi)
+                    memory[pos - start : stop - start] = piece[pos - lo : stop - lo]
+                    pos = stop
+                else:
+                    whole[pos:hi] = piece[pos - lo : hi - lo]
+                    pos = hi
+
+        return place
+
+    crc = _staged(path, name, size, direct=direct, cache=False, prepare=prepare)
     if verify:
         _check_crc(name, crc, want)
     return mapping, whole[:size]

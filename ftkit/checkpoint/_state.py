@@ -293,29 +293,17 @@ def live_targets(state: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[int
     the saved values straight into them (:func:`._single.read_state_into`)."""
     out: dict[int, torch.Tensor] = {}
 
-    def pair(live: Any, saved: Any) -> None:
-        if live is _MISSING:
-            return
-        if _same_kind(live, saved):
-            out[id(saved)] = live
-        elif isinstance(live, Mapping) and isinstance(saved, Mapping):
-            for k, v in saved.items():
-                pair(live.get(k, _MISSING), v)
-        elif isinstance(live, list) and isinstance(saved, list) and len(live) == len(saved):
-            for a, b in zip(live, saved, strict=True):
-                pair(a, b)
-
     def walk(live: Any, saved: Any) -> None:
         if is_stateful(live):  # a module copies into its own tensors, an optimizer is handed them
-            pair(live.state_dict(), saved)
-        elif isinstance(live, MutableMapping) and isinstance(saved, Mapping):
+            walk(live.state_dict(), saved)
+        elif isinstance(live, Mapping) and isinstance(saved, Mapping):
             for k, v in saved.items():
                 walk(live.get(k, _MISSING), v)
         elif isinstance(live, list) and isinstance(saved, list) and len(live) == len(saved):
             for a, b in zip(live, saved, strict=True):
                 walk(a, b)
-        elif live is not _MISSING:
-            pair(live, saved)
+        elif _same_kind(live, saved):
+            out[id(saved)] = live
 
     for key, value in saved.items():
         if key in state:
