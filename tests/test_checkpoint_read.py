@@ -330,6 +330,52 @@ def test_a_corrupt_newest_read_into_the_live_state_with_a_corrupt_older_one_refu
         make_mgr(root).load(_state(9))
 
 
+def test_a_dcp_checkpoint_is_read_once_per_file_straight_into_the_live_tensors(tmp_path, monkeypatch, caplog):
+    """A two-rank DCP checkpoint (with an older one to fall back on), loaded in one process:
+    every ``.distcp`` file is read once, with O_DIRECT, checked as it arrives, its tensors
+    straight into the live model and optimizer; the state equals DCP's own reader's."""
+    from ftkit.checkpoint import _dcp_reader
+    from tests.ckpt_helpers import build_state
+
+    root = tmp_path / "ck"
+    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], 2)
+    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], 2)
+    distcp = sorted((root / "step-00000007" / "dcp").glob("*.distcp"))
+    assert len(distcp) == 2
+    reference, _ = build_state()
+    assert make_mgr(root).load(reference, step=7) == 7  # an explicit step: DCP's own reader
+    reads = _spy_reads(monkeypatch)
+    readers = []
+    monkeypatch.setattr(_dcp_reader.StreamingReader, "__init__", _recording(_dcp_reader.StreamingReader.__init__,
+                                                                             readers))
+    state, _ = build_state()
+    with torch.no_grad():  # nothing of the initial values may survive the load
+        for p in state["model"].parameters():
+            p.add_(1.0)
+    before = [p.data_ptr() for p in state["model"].parameters()]
+    with caplog.at_level("INFO", logger="ftkit.checkpoint._dcp_reader"):
+        assert make_mgr(root).load(state) == 7
+    assert "the way DCP does" not in caplog.text
+    assert [p.data_ptr() for p in state["model"].parameters()] == before
+    assert all(torch.equal(a, b) for a, b in zip(state["model"].state_dict().values(),
+                                                  reference["model"].state_dict().values(), strict=True))
+    for pid, st in state["optimizer"].state_dict()["state"].items():
+        want = reference["optimizer"].state_dict()["state"][pid]
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(want[k])) for k, v in st.items())
+    assert len(readers) == 1 and sorted(readers[0].files_read) == [p.name for p in distcp]
+    for path in distcp:
+        ino, size = path.stat().st_ino, path.stat().st_size
+        bulk = sum(n for i, _, n, d in reads if i == ino and d)
+        assert size - (1 << 20) <= bulk <= size  # the tensors' bytes once, O_DIRECT
+
+
+def _recording(init, into: list):
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        into.append(self)
+    return record
+
+
 def test_verify_share_checks_every_file_once_among_the_ranks():
     files = {"rank-00000.pt": {}, "rank-00001.pt": {}, "rank-00002.pt": {}, "dcp/.metadata": {},
              "dcp/__0_0.distcp": {}, "dcp/__1_0.distcp": {}, "dcp/__2_0.distcp": {}, "dcp/__2_1.distcp": {}}

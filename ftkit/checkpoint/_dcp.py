@@ -137,12 +137,15 @@ def saved_keys(directory: Path) -> set[str]:
 
 
 def load_sharded(
-    state: Mapping[str, Any], keys: frozenset[str], directory: Path, *, pg=None, no_dist: bool = False
+    state: Mapping[str, Any], keys: frozenset[str], directory: Path, *, pg=None, no_dist: bool = False,
+    reader: dcp.StorageReader | None = None,
 ) -> None:
     """Collective: load ``keys`` of ``state`` in place from ``directory/dcp``.
 
     ``no_dist``: one process, no collectives (no process group needed); DCP reads every
-    tensor whole from however many shards the saving ranks wrote.
+    tensor whole from however many shards the saving ranks wrote. ``reader``: the storage
+    reader (``dcp.FileSystemReader`` of ``directory/dcp`` when None; see
+    :class:`._dcp_reader.StreamingReader`).
     """
     options = StateDictOptions()
     target = _live_state_dicts(state, keys, options)
@@ -150,7 +153,7 @@ def load_sharded(
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load(
             target,
-            storage_reader=dcp.FileSystemReader(directory / DCP_DIR),
+            storage_reader=reader if reader is not None else dcp.FileSystemReader(directory / DCP_DIR),
             process_group=pg,
             no_dist=no_dist,
         )

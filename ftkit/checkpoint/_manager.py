@@ -298,11 +298,11 @@ class Checkpointer:
         skipped: list[str] = []
         damaged: Path | None = None  # a corrupt checkpoint read into the live tensors
         for i, path in enumerate(candidates):
-            problem = self._agree_valid(path)
-            found = time.monotonic()
             # straight into the live tensors only with an older checkpoint to overwrite them
             # if this one turns out corrupt during the read
             direct = step is None and any(validate_dir(p).valid for p in candidates[i + 1 :])
+            problem = self._agree_valid(path, streamed=direct)
+            found = time.monotonic()
             if not problem:
                 problem = self._try_load(state, path, into_live=direct)
                 if problem and direct and self._into_live_used:
@@ -337,12 +337,14 @@ class Checkpointer:
         log.info("no valid checkpoint in %s: starting fresh", self.root)
         return None
 
-    def _agree_valid(self, path: Path) -> str:
-        """Sizes here; with several ranks each rank also checks its share of the checksums."""
+    def _agree_valid(self, path: Path, *, streamed: bool = False) -> str:
+        """Sizes here; with several ranks each rank also checks its share of the checksums
+        (not the DCP files when ``streamed``: the ranks that read them check them then)."""
         info = validate_dir(path)
         problem = "" if info.valid else f"{info.status}: {info.reason}"
         if not problem and self.comm.distributed and self.config.verify_on_load:
-            skip = [n for n in info.files if n.startswith("rank-")]  # checked as they are read
+            skip = [n for n in info.files if n.startswith("rank-")  # checked as they are read
+                    or (streamed and n.startswith(f"{DCP_DIR}/") and n.endswith(".distcp"))]
             mine = verify_share(info.files, self.rank, self.world_size, skip=skip)
             problem = verify_files(path, info.files, mine, cache=True)
         problems = [p for p in self.comm.gather(problem) if p]
@@ -372,7 +374,7 @@ class Checkpointer:
         available: set[str] = set()
         try:
             verify = self.config.verify_on_load  # a state file is checked as it is read
-            if verify and sharded and not self.comm.distributed:
+            if verify and sharded and not self.comm.distributed and not into_live:
                 # one process reads every dcp/ file (with several ranks, _agree_valid shares them)
                 dcp_files = [f for f in sorted(info.files) if f.startswith(f"{DCP_DIR}/")]
                 problem = verify_files(path, info.files, dcp_files, cache=True)
@@ -406,14 +408,27 @@ class Checkpointer:
             from ._dcp import load_full, load_sharded, sharded_keys
 
             keys = sharded_keys(live)
+            reader = None
+            if sharded and into_live:  # each DCP file read once, checked as it arrives, into the live tensors
+                from ._dcp_reader import StreamingReader
+
+                reader = StreamingReader(path / DCP_DIR, info.files, verify=self.config.verify_on_load,
+                                         direct=self.config.direct_io)
+                self._into_live_used = True
             try:
                 if sharded:
-                    load_sharded(live, keys, path, pg=self.comm.pg, no_dist=not self.comm.distributed)
+                    load_sharded(live, keys, path, pg=self.comm.pg, no_dist=not self.comm.distributed,
+                                 reader=reader)
                 else:  # a one-process checkpoint: every rank reads the full state dicts
                     load_full(live, keys, payload["state"], str(path))
-            except CheckpointError:
-                raise
-            except Exception as exc:
+            except BaseException as exc:  # DCP's CheckpointException is a BaseException
+                from ._dcp_reader import corrupt_file_in
+
+                corrupt = corrupt_file_in(exc) if reader is not None else None
+                if corrupt is not None:  # found during the one read (every rank gets it from DCP)
+                    return str(corrupt)
+                if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
+                    raise
                 where = path / DCP_DIR if sharded else path / name
                 raise CheckpointError(f"could not load modules and optimizers from {where}: {exc}") from exc
             rest = {k: v for k, v in live.items() if k not in keys}  # the rest is per-rank state

@@ -253,15 +253,19 @@ def read_state_file(
     return payload
 
 
-class _Fetching:
-    """A read-only file for :mod:`zipfile` that reads through ``fetch`` into ``view``: the
-    archive's directory lands in the buffer at its place, for torch's parser after it."""
+class Fetching:
+    """A read-only file for :mod:`zipfile` over bytes ``[start, end)`` of a file being read
+    into ``view`` (at the file's offsets), reading through ``fetch`` what it is asked for:
+    an archive's directory lands in the buffer at its place, for torch's parser after it."""
 
-    def __init__(self, view: memoryview, fetch: Callable[[int, int], None]) -> None:
-        self._view, self._fetch, self._pos = view, fetch, 0
+    def __init__(self, view: memoryview, fetch: Callable[[int, int], None], start: int = 0,
+                 end: int | None = None) -> None:
+        self._view, self._fetch = view, fetch
+        self._start, self._end = start, view.nbytes if end is None else end
+        self._pos = 0
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = (0, self._pos, self._view.nbytes)[whence] + offset
+        self._pos = (0, self._pos, self._end - self._start)[whence] + offset
         return self._pos
 
     def tell(self) -> int:
@@ -271,25 +275,39 @@ class _Fetching:
         return True
 
     def read(self, n: int = -1) -> bytes:
-        end = self._view.nbytes if n is None or n < 0 else min(self._view.nbytes, self._pos + n)
-        self._fetch(self._pos, end)
-        data = bytes(self._view[self._pos : end])
-        self._pos = end
+        size = self._end - self._start
+        end = size if n is None or n < 0 else min(size, self._pos + n)
+        a, b = self._start + self._pos, self._start + max(end, self._pos)
+        self._fetch(a, b)
+        data = bytes(self._view[a:b])
+        self._pos = max(end, self._pos)
         return data
+
+
+def archive_records(view: memoryview, fetch: Callable[[int, int], None], start: int = 0,
+                    end: int | None = None) -> dict[str, tuple[int, int]]:
+    """Every record of the zip archive at ``[start, end)`` of the file: name -> (offset of its
+    data in the file, size), from the archive's directory and each record's local header
+    (read through ``fetch``; the records' data is not read)."""
+    out: dict[str, tuple[int, int]] = {}
+    with zipfile.ZipFile(Fetching(view, fetch, start, end)) as archive:  # type: ignore[arg-type]
+        for info in archive.infolist():
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise FileProblem(f"record {info.filename} is compressed")
+            head = start + info.header_offset
+            fetch(head, head + 30)
+            name_len, extra_len = struct.unpack("<HH", bytes(view[head + 26 : head + 30]))
+            fetch(head + 30, head + 30 + name_len + extra_len)
+            out[info.filename] = (head + 30 + name_len + extra_len, info.file_size)
+    return out
 
 
 def _fetch_all_but_storages(view: memoryview, fetch: Callable[[int, int], None]) -> None:
     """Read everything torch's parser looks at into ``view``: the zip directory, every local
     header, every record but the tensor storages (``*/data/<key>``), which stay unread."""
-    with zipfile.ZipFile(_Fetching(view, fetch)) as archive:  # type: ignore[arg-type]
-        for info in archive.infolist():
-            head = info.header_offset
-            fetch(head, head + 30)
-            name_len, extra_len = struct.unpack("<HH", bytes(view[head + 26 : head + 30]))
-            start = head + 30 + name_len + extra_len
-            fetch(head + 30, start)
-            if "/data/" not in info.filename or info.filename.endswith(".pkl"):
-                fetch(start, start + info.file_size)
+    for name, (start, size) in archive_records(view, fetch).items():
+        if "/data/" not in name or name.endswith(".pkl"):
+            fetch(start, start + size)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -319,7 +337,8 @@ def _substitute(value: Any, swap: Mapping[int, torch.Tensor]) -> Any:
     return value
 
 
-def _writable(t: torch.Tensor) -> memoryview:
+def tensor_memory(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (any dtype)."""
     return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
 
 
@@ -379,7 +398,7 @@ def read_state_into(
         swap.update({a[2]: a[3] for a in alone})
         holder["swap"] = swap
         holder["owned"] = len(swap) == len(_tensors(payload))
-        return [(a[0], a[1], _writable(a[3].detach())) for a in alone]
+        return [(a[0], a[1], tensor_memory(a[3].detach())) for a in alone]
 
     try:
         scatter_file(path, meta, plan, verify=verify, direct=direct)

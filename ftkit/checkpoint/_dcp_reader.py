@@ -1,0 +1,232 @@
+"""DCP's files read once each, checksummed as they arrive, straight into the tensors DCP asks for.
+
+``dcp.FileSystemReader`` reads every item of a ``.distcp`` file by itself through a buffered
+stream and ``torch.load``s it: each tensor lands in fresh memory, is copied into the tensor
+DCP resolved for it, and ftkit had read the same file once before to check its CRC-32. Here
+:class:`StreamingReader` reads each file the load needs with :func:`._reader.scatter_file`:
+once, with ``O_DIRECT``, through reused staging buffers, the CRC-32 compared with the
+manifest as the pieces arrive; each tensor item's bytes go straight into the tensor DCP
+resolved for it (the live model's and optimizer's memory), so no fresh memory is faulted in
+for them.
+
+Each tensor item of a ``.distcp`` file is a small ``torch.save`` archive. Before the bulk of
+the file is read, the local headers of each archive and its pickle are read (a few hundred
+bytes per item) and the pickle is unpickled with storages on the ``meta`` device: that gives
+the saved tensor's dtype, shape, strides and offset, and the archive says where its storage
+bytes lie in the file. Items that are not one contiguous range of the file into one
+contiguous CPU tensor (a resharded read of a non-leading dimension, a strided view) take the
+plain route: their bytes land in the read buffer and are copied from there. Checkpoints
+with storage transforms (DCP's extensions) are read by ``FileSystemReader`` itself.
+
+The live tensors hold a file's bytes before its CRC-32 is known: a corrupt file raises
+:class:`CorruptFile` (DCP hands it to every rank in a ``CheckpointException``) after they
+were written, so :mod:`._manager` uses this reader only with an older checkpoint to fall
+back on, whose load overwrites them.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
+from torch.serialization import _weights_only_unpickler
+
+from ..errors import CheckpointError
+from ._layout import DCP_DIR
+from ._reader import FileProblem, Target, check_file, scatter_file
+from ._single import archive_records, tensor_memory
+
+__all__ = ["CorruptFile", "StreamingReader", "corrupt_file_in"]
+
+log = logging.getLogger(__name__)
+
+
+
+class CorruptFile(CheckpointError):
+    """A DCP file does not match its manifest entry; the live tensors may hold its bytes."""
+
+
+class _Unsupported(Exception):
+    """An item this reader does not take apart: the whole load goes to FileSystemReader."""
+
+
+def corrupt_file_in(exc: BaseException) -> CorruptFile | None:
+    """The :class:`CorruptFile` behind ``exc`` (raised here, or by any rank inside DCP's
+    ``CheckpointException``), else None."""
+    seen: set[int] = set()
+    todo: list[Any] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, CorruptFile):
+            return e
+        if isinstance(e, tuple) and e:
+            todo.append(e[0])
+        elif isinstance(e, BaseException):
+            todo += [e.__cause__, e.__context__, *getattr(e, "failures", {}).values()]
+    return None
+
+
+def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
+    """The part of a saved chunk a read item asks for (what DCP's own reader takes)."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+        if length < tensor.size(dim):
+            tensor = tensor.narrow(dim, offset, length)
+    return tensor
+
+
+def _archive(view: memoryview, fetch, start: int, end: int, where: str) -> tuple[bytes, dict[str, int]]:
+    """The pickle of the ``torch.save`` archive at ``[start, end)`` of the file, and where each
+    of its storage records' bytes begin in the file (by storage key)."""
+    try:
+        records = archive_records(view, fetch, start, end)
+    except (FileProblem, zipfile.BadZipFile) as exc:
+        raise _Unsupported(f"{where}: {exc}") from None
+    pickled = [(a, n) for name, (a, n) in records.items() if name.endswith("data.pkl")]
+    if len(pickled) != 1:
+        raise _Unsupported(f"{where}: not one data.pkl in the item")
+    (a, n), = pickled
+    fetch(a, a + n)
+    storages = {name.rsplit("/", 1)[1]: a for name, (a, _) in records.items()
+                if "/data/" in name and not name.endswith(".pkl")}
+    return bytes(view[a : a + n]), storages
+
+
+def _meta_tensor(pickle_bytes: bytes, where: str) -> tuple[torch.Tensor, str]:
+    """The archive's tensor with its storage on the ``meta`` device, and its storage key."""
+    keys: list[str] = []
+
+    def persistent_load(pid: Any) -> Any:
+        _, storage_type, key, _location, numel = pid
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        keys.append(str(key))
+        storage = torch.UntypedStorage(numel * torch.empty((), dtype=dtype).element_size(), device="meta")
+        return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+
+    unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(pickle_bytes), encoding="utf-8")
+    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+    tensor = unpickler.load()
+    if not isinstance(tensor, torch.Tensor) or len(keys) != 1:
+        raise _Unsupported(f"{where}: an item that is not one tensor of one storage")
+    return tensor, keys[0]
+
+
+class StreamingReader(dcp.FileSystemReader):
+    """``dcp.FileSystemReader`` that reads each file once (see the module doc).
+
+    ``files``: the manifest's entries (``dcp/<name>`` -> size, CRC-32); ``verify``: compare
+    each file's CRC-32; ``direct`` as ``checkpoint.direct_io``. :attr:`files_read` names the
+    files this rank read."""
+
+    def __init__(self, path: Path, files: Mapping[str, Any], *, verify: bool = True,
+                 direct: bool | None = None) -> None:
+        super().__init__(str(path))
+        self._root = Path(path)
+        self._files = files
+        self._verify = verify
+        self._direct = direct
+        self.files_read: list[str] = []
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[Any]] = {}
+        plain = False
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            plain = plain or bool(getattr(info, "transform_descriptors", None))
+            per_file.setdefault(info.relative_path, []).append(item)
+        if not plain:
+            try:
+                for name, items in sorted(per_file.items()):
+                    self._read_file(name, items, planner)
+                done: Future[None] = Future()
+                done.set_result(None)
+                return done
+            except _Unsupported as exc:
+                log.info("reading %s the way DCP does: %s", self._root, exc)
+        # DCP's own reader, every item again from the start; each file checked first,
+        # through the page cache, where DCP's reads then find it
+        for name in sorted(per_file):
+            try:
+                check_file(self._root / name, self._meta(name), cache=True, direct=self._direct)
+            except FileProblem as exc:
+                raise CorruptFile(f"{self._root.parent}: {exc}") from exc
+            self.files_read.append(name)
+        return super().read_data(plan, planner)
+
+    def _meta(self, name: str) -> Mapping[str, Any]:
+        meta = self._files.get(f"{DCP_DIR}/{name}")
+        if meta is None:
+            raise CheckpointError(f"{self._root / name} is not in its checkpoint's manifest")
+        return meta
+
+    def _read_file(self, name: str, items: list[Any], planner: LoadPlanner) -> None:
+        path = self._root / name
+        meta = self._meta(name)
+        after: list[tuple[Any, str, Any]] = []  # (item, how, what) for once the file is read
+
+        def plan_read(mapping: Any, view: memoryview, fetch) -> list[Target]:
+            aims: list[tuple[int, int, Any, torch.Tensor]] = []
+            for item in items:
+                info = self.storage_data[item.storage_index]
+                if item.type == LoadItemType.BYTE_IO:
+                    after.append((item, "bytes", (info.offset, info.offset + info.length)))
+                    continue
+                where = f"{path} item {item.storage_index}"
+                saved, data_start = self._item(view, fetch, info, where)
+                narrowed = _narrow(saved, item.storage_offsets, item.lengths)
+                target = planner.resolve_tensor(item).detach()
+                if target.size() != narrowed.size():
+                    raise CheckpointError(f"{where}: saved {tuple(narrowed.size())}, live {tuple(target.size())}")
+                if (narrowed.is_contiguous() and target.is_contiguous() and target.device.type == "cpu"
+                        and target.dtype == narrowed.dtype and narrowed.numel() > 0):
+                    start = data_start + narrowed.storage_offset() * narrowed.element_size()
+                    aims.append((start, start + narrowed.numel() * narrowed.element_size(), item, target))
+                else:
+                    after.append((item, "copy", (saved, data_start, target)))
+            aims.sort(key=lambda a: a[0])
+            targets: list[Target] = []
+            for i, (start, end, item, target) in enumerate(aims):
+                if i and aims[i - 1][1] > start:
+                    raise _Unsupported(f"{path}: items overlap")
+                targets.append((start, end, tensor_memory(target)))
+                after.append((item, "direct", target))
+            return targets
+
+        try:
+            mapping, view = scatter_file(path, meta, plan_read, verify=self._verify, direct=self._direct)
+        except FileProblem as exc:
+            raise CorruptFile(f"{self._root.parent}: {exc}") from exc
+        self.files_read.append(name)
+        for item, how, what in after:
+            if how == "bytes":
+                planner.load_bytes(item, io.BytesIO(bytes(view[what[0] : what[1]])))
+            elif how == "direct":
+                planner.commit_tensor(item, what)
+            else:
+                meta_tensor, data_start, target = what
+                nbytes = meta_tensor.untyped_storage().nbytes()
+                storage = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes,
+                                           offset=data_start).untyped_storage()
+                saved = torch.empty(0, dtype=meta_tensor.dtype).set_(
+                    storage, meta_tensor.storage_offset(), meta_tensor.size(), meta_tensor.stride())
+                target.copy_(_narrow(saved, item.storage_offsets, item.lengths))
+                planner.commit_tensor(item, target)
+
+    @staticmethod
+    def _item(view: memoryview, fetch, info: Any, where: str) -> tuple[torch.Tensor, int]:
+        """The item's tensor on ``meta`` and the file offset of its storage bytes."""
+        pickle_bytes, records = _archive(view, fetch, info.offset, info.offset + info.length, where)
+        tensor, key = _meta_tensor(pickle_bytes, where)
+        if key not in records:
+            raise _Unsupported(f"{where}: storage {key} not in the archive")
+        return tensor, records[key]
