@@ -26,8 +26,10 @@ back on, whose load overwrites them.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
+import re
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -47,6 +49,8 @@ from ._single import archive_records, tensor_memory
 __all__ = ["CorruptFile", "StreamingReader", "corrupt_file_in"]
 
 log = logging.getLogger(__name__)
+
+_FILE = re.compile(r"__(\d+)_\d+\.distcp$")  # DCP's file of the rank that wrote it
 
 
 
@@ -129,13 +133,22 @@ class StreamingReader(dcp.FileSystemReader):
     files this rank read."""
 
     def __init__(self, path: Path, files: Mapping[str, Any], *, verify: bool = True,
-                 direct: bool | None = None) -> None:
+                 direct: bool | None = None, rank: int = 0, world_size: int = 1) -> None:
         super().__init__(str(path))
         self._root = Path(path)
         self._files = files
         self._verify = verify
         self._direct = direct
+        self._rank, self._world = rank, world_size
         self.files_read: list[str] = []
+        """The files this rank read whole (and checked), in the order it read them."""
+
+    def _checks(self, name: str) -> bool:
+        """Whether this rank reads and checks file ``name`` whole: ``__R_*.distcp`` is rank
+        ``R % world_size``'s (at the same world size the rank that wrote it, and the one that
+        needs most of it); a name of another shape, every rank's."""
+        match = _FILE.match(name)
+        return match is None or int(match.group(1)) % self._world == self._rank
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[Any]] = {}
@@ -144,24 +157,36 @@ class StreamingReader(dcp.FileSystemReader):
             info = self.storage_data[item.storage_index]
             plain = plain or bool(getattr(info, "transform_descriptors", None))
             per_file.setdefault(info.relative_path, []).append(item)
+        mine = sorted({info.relative_path for info in self.storage_data.values() if self._checks(info.relative_path)})
+        others = [item for name, items in per_file.items() if name not in mine for item in items]
         if not plain:
             try:
-                for name, items in sorted(per_file.items()):
-                    self._read_file(name, items, planner)
+                for name in mine:  # whole, checked as it arrives; the items this rank needs land
+                    if name in per_file:
+                        self._read_file(name, per_file[name], planner)
+                    else:
+                        self._check(name)
+                if others:  # the few items of files another rank checks: DCP's own reads
+                    return super().read_data(dataclasses.replace(plan, items=others), planner)
                 done: Future[None] = Future()
                 done.set_result(None)
                 return done
             except _Unsupported as exc:
                 log.info("reading %s the way DCP does: %s", self._root, exc)
-        # DCP's own reader, every item again from the start; each file checked first,
-        # through the page cache, where DCP's reads then find it
-        for name in sorted(per_file):
-            try:
-                check_file(self._root / name, self._meta(name), cache=True, direct=self._direct)
-            except FileProblem as exc:
-                raise CorruptFile(f"{self._root.parent}: {exc}") from exc
-            self.files_read.append(name)
+        # DCP's own reader, every item again from the start; the files this rank checks are
+        # checked first, through the page cache, where DCP's reads then find them
+        self.files_read.clear()
+        for name in mine:
+            self._check(name, cache=True)
         return super().read_data(plan, planner)
+
+    def _check(self, name: str, *, cache: bool = False) -> None:
+        """Check a file's size and CRC-32 without keeping it (``cache``: through the page cache)."""
+        try:
+            check_file(self._root / name, self._meta(name), cache=cache, direct=self._direct)
+        except FileProblem as exc:
+            raise CorruptFile(f"{self._root.parent}: {exc}") from exc
+        self.files_read.append(name)
 
     def _meta(self, name: str) -> Mapping[str, Any]:
         meta = self._files.get(f"{DCP_DIR}/{name}")

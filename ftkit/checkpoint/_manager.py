@@ -413,7 +413,8 @@ class Checkpointer:
                 from ._dcp_reader import StreamingReader
 
                 reader = StreamingReader(path / DCP_DIR, info.files, verify=self.config.verify_on_load,
-                                         direct=self.config.direct_io)
+                                         direct=self.config.direct_io, rank=self.rank,
+                                         world_size=self.world_size if self.comm.distributed else 1)
                 self._into_live_used = True
             try:
                 if sharded:
