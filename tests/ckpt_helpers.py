@@ -47,18 +47,24 @@ def run_ranks(args: list[str], world_size: int = 1, timeout: float = 120) -> Non
         )
         for r in range(world_size)
     ]
+    outs = collect(procs, timeout)
+    for r, (p, out) in enumerate(zip(procs, outs, strict=False)):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{out}"
+
+
+def collect(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Each process's output once it exited; one still running after ``timeout`` fails the
+    test (``TimeoutExpired``), and every process left is killed either way."""
     outs = []
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outs.append(out)
+            outs.append(p.communicate(timeout=timeout)[0])
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for r, (p, out) in enumerate(zip(procs, outs, strict=False)):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{out}"
+    return outs
 
 
 def build_state(seed: int = 0, rank: int = 0, world_size: int = 1):

@@ -42,15 +42,9 @@ def _launch(*args: str, script: str = __file__) -> list[subprocess.Popen]:
 
 
 def _finish(procs: list[subprocess.Popen], codes=(0, 0), timeout: float = 60) -> list[str]:
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    from tests.ckpt_helpers import collect
+
+    outs = collect(procs, timeout)
     for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == codes[r], (
             f"rank {r} exited {p.returncode}, expected {codes[r]}:\n{out}"

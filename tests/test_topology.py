@@ -25,7 +25,7 @@ REPLICATED = ("step", "model", "optimizer", "param_groups", "scheduler", "sample
 
 def _run(jobdir: Path, world: int, total: int, out: Path, *flags: str, timeout: float = 180) -> list[dict]:
     """One run of ``world`` ranks to step ``total``; every rank's report."""
-    from tests.ckpt_helpers import env, free_port
+    from tests.ckpt_helpers import collect, env, free_port
 
     port = str(free_port())
     procs = [
@@ -38,15 +38,7 @@ def _run(jobdir: Path, world: int, total: int, out: Path, *flags: str, timeout: 
         )
         for r in range(world)
     ]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = collect(procs, timeout)
     for r, (p, text) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0, f"{world} ranks to step {total}: rank {r} exited {p.returncode}:\n{text}"
     reports = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(world)]
