@@ -465,10 +465,7 @@ class Checkpointer:
         matched = dict(saved)
         for key, value in state.items():  # as _try_load: a model saved inside DDP, or back
             if isinstance(value, torch.nn.Module) and isinstance(saved.get(key), Mapping):
-                try:
-                    matched[key] = match_keys(saved[key], list(value.state_dict()), f"{path}: state[{key!r}]")
-                except Exception:
-                    matched.pop(key)
+                matched[key] = match_keys(saved[key], list(value.state_dict()), f"{path}: state[{key!r}]")
         found = live_targets(state, matched)
         self._into_live_used = bool(found)
         return found
