@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from ftkit.envvars import config_from_env, jobdir_from_env
 from ftkit.errors import ConfigError
-from ftkit.integrations.env import config_from_env, jobdir_from_env
 
 
 def test_unset_keeps_the_defaults():

@@ -54,9 +54,9 @@ from submitit.helpers import Checkpointable, DelayedSubmission
 
 from ..control.controller import Config, FaultTolerance
 from ..decision import Request, Source
+from ..envvars import config_from_env, jobdir_from_env
 from ..errors import ConfigError
 from ..triggers.signals import SignalConfig
-from .env import config_from_env, jobdir_from_env
 
 __all__ = ["FtkitCheckpointable", "submitit_signal"]
 
