@@ -423,7 +423,7 @@ def test_exit_event_of_an_earlier_run_is_ignored(jobdir) -> None:
 
 
 def test_sigusr1_request_counts_for_a_program_without_ftkit(jobdir, env) -> None:
-    from ftkit.triggers.files import write_request
+    from ftkit.triggers.switches import write_request
 
     write_request(jobdir, "requeue", reason="SIGUSR1 from SLURM (time limit or preemption)")
     d = run_decide(jobdir, env, FakeScontrol(RUNNING), rc=138, step=None)

@@ -16,13 +16,8 @@ import ftkit
 from ftkit.decision import Action, Request, RequestBox, Source
 from ftkit.errors import ConfigError
 from ftkit.jobdir import JobDir
-from ftkit.triggers.files import (
-    SwitchWatcher,
-    WatchConfig,
-    detect_network_fs,
-    touch_switch,
-    write_request,
-)
+from ftkit.triggers.files import SwitchWatcher, WatchConfig, detect_network_fs
+from ftkit.triggers.switches import touch_switch, write_request
 
 POLL = 0.1  # polling interval used in these tests
 REPO = Path(ftkit.__file__).resolve().parent.parent
@@ -205,7 +200,7 @@ def test_request_files_from_another_process(jd, mode):
     with watcher(jd, box, mode):
         py(
             "import sys\n"
-            "from ftkit.triggers.files import write_request\n"
+            "from ftkit.triggers.switches import write_request\n"
             "for a in sys.argv[2:]: write_request(sys.argv[1], a, reason='by ' + a)\n",
             str(jd.root),
             *actions,

@@ -50,29 +50,17 @@ def _slurm(job_id: str | None) -> dict[str, Any] | None:
 def _request(path: Path) -> dict[str, Any]:
     """One request file; ``error`` says why the job ignores it when it is broken (the job's
     watcher takes a JSON object with a known ``action`` string and skips anything else)."""
-    from ..decision import parse_action
+    from ..triggers.switches import read_request
 
     entry: dict[str, Any] = {"path": str(path)}
     try:
-        raw = path.read_bytes()
-        if not raw:
-            raise ValueError("empty (still being written, or not written by `ftkit request`)")
-        try:
-            data = json.loads(raw)
-        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-            raise ValueError(f"not valid JSON ({exc})") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"not a JSON object but {type(data).__name__}")
-        action = data.get("action")
-        if not isinstance(action, str):
-            raise ValueError("no 'action' string in it")
-        parse_action(action, setting="request")  # ConfigError (a ValueError) names the valid ones
+        found = read_request(path)
     except OSError as exc:
         entry["error"] = f"cannot be read: {exc.strerror or exc}"
-    except ValueError as exc:
+    except ValueError as exc:  # ConfigError too: it names the valid actions
         entry["error"] = str(exc)
     else:
-        entry.update({k: v for k, v in data.items() if k not in entry})
+        entry.update({k: v for k, v in found.data.items() if k not in entry})
     return entry
 
 
@@ -84,12 +72,13 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
     from ..events import read_events
     from ..jobdir import JobDir
     from ..lease import lease_status
+    from ..triggers.switches import request_files, switch_is_set
 
     if not Path(jobdir).is_dir():
         raise ConfigError(f"job dir {jobdir} does not exist; pass the directory the job was started with")
     job = JobDir.of(jobdir)
     now = time.time()
-    requests = [_request(path) for path in sorted(job.requests.glob("*.json"))] if job.requests.is_dir() else []
+    requests = [_request(path) for path in request_files(job)]
     log = list(read_events(job.events))
     starts = [e for e in log if e.get("event") == "start"]
     last_start = starts[-1] if starts else None
@@ -127,8 +116,8 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
         "slurm": slurm,
         "lease": lease_status(job.root, now=now),
         "hang": culprit(log),
-        "save_switch": job.save_switch.is_file(),
-        "kill_switch": job.kill_switch.is_file(),
+        "save_switch": switch_is_set(job, "save"),
+        "kill_switch": switch_is_set(job, "kill"),
         "requests": requests,
         "checkpoints": items,
         "newest_valid": newest,

@@ -40,15 +40,14 @@ def _switch(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from ..jobdir import JobDir
-    from ..triggers.files import touch_switch
+    from ..triggers.switches import remove_kill_switch, touch_switch
 
     job = JobDir.of(_existing_jobdir(args.jobdir))
     console = Console()
     if getattr(args, "clear", False):
-        try:
-            job.kill_switch.unlink()
+        if remove_kill_switch(job):
             console.print(f"removed {job.kill_switch}")
-        except FileNotFoundError:
+        else:
             console.print(f"no kill-switch in {job.root}")
         return 0
     path = touch_switch(job, args.which)
@@ -59,7 +58,7 @@ def _switch(args: argparse.Namespace) -> int:
 
 
 def _request(args: argparse.Namespace) -> int:
-    from ..triggers.files import write_request
+    from ..triggers.switches import write_request
 
     path = write_request(_existing_jobdir(args.jobdir), args.action, reason=args.reason)
     print(path)

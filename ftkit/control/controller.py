@@ -17,6 +17,13 @@ from ..lease import Lease, LeaseConfig, take_lease
 from ..triggers.budget import BudgetConfig, TimeBudget
 from ..triggers.files import SwitchWatcher, WatchConfig
 from ..triggers.signals import SignalConfig, SignalTrigger
+from ..triggers.switches import (
+    remove_handled_requests,
+    remove_handled_save_switch,
+    remove_requests,
+    switch_is_set,
+    touched_at,
+)
 from .agreement import WIDTH, AgreementConfig, Collective, decode_flags, encode
 from .interval import AutoInterval, IntervalConfig
 from .runclock import RunClock, TimingConfig
@@ -156,7 +163,7 @@ class FaultTolerance:
         slurm = SlurmEnv.from_env()
         if self.world_size > 1:
             self._collective = Collective(self.config.agreement, self._group)
-        killed = self.job.kill_switch.is_file() and not self.job.kill_switch.is_symlink()
+        killed = switch_is_set(self.job, "kill")
         # a killed job dir's run does nothing, so another run's lease does not refuse it
         self._lease = take_lease(
             self.job, self.config.lease, events=self.events, rank=self.rank, world_size=self.world_size,
@@ -216,7 +223,7 @@ class FaultTolerance:
             self._watcher.close()
             self._signals.close()
             if self.box.pending:
-                self._take(self.box.drain(), -1 if self._final is None else self._final.step)
+                self._take_requests(self.box.drain(), -1 if self._final is None else self._final.step)
             self._forget_requests()
             final = self._final
             self.events.emit(
@@ -280,16 +287,16 @@ class FaultTolerance:
         self.watchdog.last = (step, now)  # the watchdog's whole hot-path cost
         if self._final is not None:
             if self.box.pending:  # log what arrives after the exit was decided; it changes nothing
-                self._take(self.box.drain(), step)
+                self._take_requests(self.box.drain(), step)
             return self._final
         if self.box.pending:
-            self._take(self.box.drain(), step)
+            self._take_requests(self.box.drain(), step)
         # Between agreements a trigger waits up to ``every`` steps: look that far ahead. The
         # budget only acts once there is progress to save: stopping at the step just resumed
         # from would requeue a job that can never move forward.
         ahead = (self._every - 1) * self.budget.step_estimate if self._collective is not None else 0.0
         if step > (self._last_saved_step or 0) and self.budget.due(self._wallclock() + ahead):
-            self._take([self.budget.request()], step)
+            self._take_requests([self.budget.request()], step)
         if self._collective is not None:
             if not (self._first_check or step % self._every == 0):
                 return Decision(step)
@@ -302,7 +309,9 @@ class FaultTolerance:
         self._first_check = False
         return self._decide(step, flags)
 
-    def _take(self, requests: list[Request], step: int) -> None:
+    def _take_requests(self, requests: list[Request], step: int) -> None:
+        """Log each request as a ``trigger`` event; keep the ones not already satisfied for the
+        next decision."""
         for r in requests:
             if r.source is Source.REQUEST and r.origin is not None:
                 self._seen_requests.add(r.origin)
@@ -321,9 +330,8 @@ class FaultTolerance:
         if r.action == Action.SAVE and r.created <= self._last_save_end:
             return "a save that finished after it was asked for covers it"
         if r.origin is not None and r.source in self._handled_wall:
-            try:
-                mtime = os.stat(r.origin).st_mtime
-            except FileNotFoundError:
+            mtime = touched_at(r.origin)
+            if mtime is None:
                 return "its file is gone (already handled)"
             if mtime <= self._handled_wall[r.source]:
                 return "its file was already handled"
@@ -554,13 +562,7 @@ class FaultTolerance:
     def _forget_requests(self) -> None:
         """Remove the request files this run saw, so the next run does not act on them again
         (a batch-script trap writes one even when the forwarded signal got there first)."""
-        for origin in self._seen_requests:
-            try:
-                os.unlink(origin)
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                log.warning("could not remove handled request file %s: %s", origin, exc)
+        remove_requests(self._seen_requests)
         self._seen_requests.clear()
 
     def _consume(self, decision: Decision) -> None:
@@ -568,20 +570,9 @@ class FaultTolerance:
         if self.rank != 0:
             return
         cutoff = self._handled_wall.get(Source.SAVE_SWITCH)
-        if Source.SAVE_SWITCH in decision.sources and cutoff is not None:
-            path = self.job.save_switch
-            try:
-                st = os.lstat(path)
-                if st.st_mtime <= cutoff and not os.path.islink(path) and os.path.isfile(path):
-                    path.unlink()
-                    self.events.emit("switch-removed", step=decision.step, path=str(path))
-            except FileNotFoundError:
-                pass
+        if (Source.SAVE_SWITCH in decision.sources and cutoff is not None
+                and remove_handled_save_switch(self.job, cutoff)):
+            self.events.emit("switch-removed", step=decision.step, path=str(self.job.save_switch))
         cutoff = self._handled_wall.get(Source.REQUEST)
         if Source.REQUEST in decision.sources and cutoff is not None:
-            for path in self.job.requests.glob("*.json"):
-                try:
-                    if path.stat().st_mtime <= cutoff:
-                        path.unlink()
-                except FileNotFoundError:
-                    continue
+            remove_handled_requests(self.job, cutoff)

@@ -2,9 +2,9 @@
 
 Touching ``JOBDIR/save-switch`` asks for a save at the next step boundary, touching
 ``JOBDIR/kill-switch`` asks to save and stop for good, and ``ftkit request ...`` drops a
-small JSON file into ``JOBDIR/requests/``. :class:`SwitchWatcher` watches those paths with
-watchdog and posts one :class:`~ftkit.decision.Request` per touch to a
-:class:`~ftkit.decision.RequestBox`.
+small JSON file into ``JOBDIR/requests/`` (:mod:`ftkit.triggers.switches` owns those files:
+names, writing, reading). :class:`SwitchWatcher` watches those paths with watchdog and posts
+one :class:`~ftkit.decision.Request` per touch to a :class:`~ftkit.decision.RequestBox`.
 
 inotify does not see changes made on another node of a network filesystem (NFS, Lustre,
 GPFS, ...), so in ``auto`` mode the watcher polls when the job directory lives on one.
@@ -12,31 +12,27 @@ GPFS, ...), so in ``auto`` mode the watcher polls when the job directory lives o
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
-import socket
 import stat
 import threading
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers.api import BaseObserver
 
-from .._fs import atomic_write, mount_of
-from ..decision import Action, Request, RequestBox, Source, parse_action
+from .._fs import mount_of
+from ..decision import Action, Request, RequestBox, Source
 from ..errors import ConfigError
 from ..jobdir import JobDir
+from .switches import is_request_name, read_request, touch_switch, write_request
 
 __all__ = [
     "NETWORK_FSTYPES",
     "SwitchWatcher",
     "WatchConfig",
     "detect_network_fs",
-    "touch_switch",
+    "touch_switch",  # re-exported for callers of their old home; they live in .switches
     "write_request",
 ]
 
@@ -54,7 +50,6 @@ NETWORK_FSTYPES = frozenset(
     }
 )  # fmt: skip
 
-_MAX_REQUEST_BYTES = 64 * 1024
 # Changes to the same file (same inode) less than this apart in mtime are one touch:
 # `touch` creates the file and then sets its times, `echo > f` creates and then writes,
 # and a watcher thread may look in between. A touch a second or more later posts again.
@@ -101,72 +96,6 @@ def detect_network_fs(
     if mount is None:
         return None
     return mount.fstype if mount.fstype.lower() in NETWORK_FSTYPES else None
-
-
-# --------------------------------------------------------------------------------------
-# writers: ftkit request ..., the batch script's signal trap, tests
-
-
-def _job_dir(job_dir: JobDir | str | os.PathLike[str]) -> JobDir:
-    return job_dir if isinstance(job_dir, JobDir) else JobDir.of(job_dir)
-
-
-def write_request(
-    job_dir: JobDir | str | os.PathLike[str], action: str, *, reason: str = ""
-) -> Path:
-    """Atomically drop a request file into ``JOBDIR/requests/``; returns its path.
-
-    ``action`` is one of the names :func:`ftkit.decision.parse_action` accepts. The file
-    appears complete or not at all (temp file, fsync, ``os.replace``, fsync the directory).
-    """
-    parse_action(action)  # raises ConfigError naming the accepted actions
-    name = action.strip().lower().replace("_", "-")
-    jd = _job_dir(job_dir)
-    if not jd.root.is_dir():
-        raise ConfigError(f"job directory {jd.root} does not exist; check the JOBDIR argument")
-    jd.requests.mkdir(exist_ok=True)
-    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
-    pid = os.getpid()
-    final = jd.requests / f"{time.time_ns()}-{host}-{pid}-{name}.json"
-    payload = {"action": name, "reason": reason, "created": time.time(), "pid": pid, "host": host}
-    atomic_write(final, (json.dumps(payload) + "\n").encode())
-    return final
-
-
-def touch_switch(job_dir: JobDir | str | os.PathLike[str], which: str) -> Path:
-    """Create or re-touch ``JOBDIR/save-switch`` (``which="save"``) or ``kill-switch``.
-
-    Sets the modification time explicitly (nanoseconds), so two touches in quick
-    succession are still two distinct touches for the watcher.
-    """
-    jd = _job_dir(job_dir)
-    paths = {"save": jd.save_switch, "kill": jd.kill_switch}
-    if which not in paths:
-        raise ConfigError(f"which: got {which!r}; use 'save' or 'kill'")
-    path = paths[which]
-    jd.root.mkdir(parents=True, exist_ok=True)
-    try:
-        if not os.path.lexists(path):
-            # Create complete, with its final times, in one step: one touch, one identity.
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(b"")
-            now = time.time_ns()
-            os.utime(tmp, ns=(now, now))
-            os.replace(tmp, path)
-            return path
-        fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as exc:
-        raise ConfigError(
-            f"{path}: cannot touch the {which} switch ({exc.strerror}); remove whatever "
-            "is there so a regular file can be created"
-        ) from exc
-    try:
-        before = os.fstat(fd).st_mtime_ns
-        now = max(time.time_ns(), before + 1)
-        os.utime(fd, ns=(now, now))
-    finally:
-        os.close(fd)
-    return path
 
 
 # --------------------------------------------------------------------------------------
@@ -350,7 +279,7 @@ class SwitchWatcher:
         switch = self._switches.get(path)
         if switch is None:
             parent, name = os.path.split(path)
-            if parent != self._requests_dir or name.startswith(".") or not name.endswith(".json"):
+            if parent != self._requests_dir or not is_request_name(name):
                 return
         try:
             st = os.lstat(path)
@@ -392,30 +321,14 @@ class SwitchWatcher:
 
     def _read_request(self, path: str, ident: tuple[int, int, int]) -> Request | None:
         try:
-            with open(path, "rb") as f:
-                raw = f.read(_MAX_REQUEST_BYTES + 1)
-            if len(raw) > _MAX_REQUEST_BYTES:
-                raise ValueError(f"larger than {_MAX_REQUEST_BYTES} bytes")
-            data = json.loads(raw)
-            if not isinstance(data, dict):
-                raise ValueError("not a JSON object")
-            action_name = data.get("action")
-            if not isinstance(action_name, str):
-                raise ValueError("no 'action' string")
-            action, requeue = parse_action(action_name, setting=f"request file {path}")
+            found = read_request(path)
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:  # ConfigError and JSONDecodeError are ValueErrors
             self._warn_once(("parse", path, ident), "ignoring request file %s: %s", path, exc)
             return None
-        reason = f"{action_name.strip().lower()} requested"
-        if data.get("host") or data.get("pid"):
-            reason += f" by {data.get('host', '?')}:{data.get('pid', '?')}"
-        if isinstance(data.get("reason"), str) and data["reason"]:
-            reason += f": {data['reason']}"
-        return Request(
-            action, Source.REQUEST, reason=f"{reason} ({path})", requeue=requeue, origin=path
-        )
+        return Request(found.action, Source.REQUEST, reason=f"{found.describe()} ({path})",
+                       requeue=found.requeue, origin=path)
 
     def _warn_once(self, key: object, msg: str, *args: object) -> None:
         with self._lock:
