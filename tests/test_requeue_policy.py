@@ -9,7 +9,6 @@ Reason=TimeLimit), and the states after a preemption kill.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -577,23 +576,3 @@ def test_cli_requeue(jobdir, monkeypatch, capsys) -> None:
     finally:
         for s, h in before.items():
             signal.signal(s, h)
-
-
-# --------------------------------------------------------------------------------------
-# checkpoints
-
-
-def test_newest_checkpoint_scan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    root = tmp_path / "checkpoints"
-    for step, manifest, sentinel in [(100, True, False), (200, True, True), (300, False, False), (50, True, False)]:
-        d = root / f"step-{step:08d}"
-        d.mkdir(parents=True)
-        if manifest:
-            (d / "manifest.json").write_text("{}")
-        if sentinel:
-            (d / "checkpoint-is-incomplete").touch()
-    (root / "step-junk").mkdir()
-    assert rq._scan_checkpoints(root) == 100
-    assert rq._scan_checkpoints(tmp_path / "none") is None
-    monkeypatch.setitem(sys.modules, "ftkit.checkpoint", None)  # package unavailable: the scan is used
-    assert rq.newest_checkpoint_step(root) == 100

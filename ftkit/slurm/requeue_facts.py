@@ -1,0 +1,267 @@
+"""What ``ftkit requeue`` knows about the run that just ended: gathered once, then only read.
+
+:func:`gather` reads the job directory (this run's ``start``/``exit``/``resume``/``hang``
+events and a ``lease-refused`` one, the kill-switch, leftover request files, ``runs.json``,
+the newest valid checkpoint), SLURM's view of the job (``scontrol show job``: JobState,
+Reason, PreemptTime, Restarts) and the clock into a frozen :class:`RunFacts`. The policy
+(:func:`ftkit.slurm.requeue_policy.decide`) decides from those facts alone, so every branch
+of it can be tested with a hand-made :class:`RunFacts`.
+
+``runs.json`` is read here (past runs are facts) and appended to by
+:func:`ftkit.slurm.requeue.finish_run`, through :func:`write_runs`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .._fs import atomic_write
+from ..errors import ConfigError, SlurmError
+from ..events import read_events
+from ..jobdir import JobDir
+from ..triggers.switches import read_request, request_files, switch_is_set
+from . import env as _env
+from .env import Runner, SlurmEnv, job_info
+
+__all__ = [
+    "RunFacts",
+    "gather",
+    "lease_refused",
+    "newest_checkpoint_step",
+    "read_runs",
+    "scontrol_runner",
+    "write_runs",
+]
+
+log = logging.getLogger(__name__)
+
+
+def scontrol_runner(runner: Runner | None) -> Runner:
+    """``runner``, else :func:`ftkit.slurm.env.run_scontrol` looked up at call time (tests
+    patch that single call point)."""
+    return runner if runner is not None else (lambda args: _env.run_scontrol(args))
+
+
+# --------------------------------------------------------------------------------------
+# the facts
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunFacts:
+    """Everything the requeue policy looks at about the run that just ended."""
+
+    job: JobDir
+    env: SlurmEnv
+    exit_code: int
+    """The launcher's exit code (``ftkit requeue --exit-code``)."""
+    slurm_job: Mapping[str, str] | None = field(default=None, repr=False)
+    """``scontrol show job`` of this job, None when it could not be read (or outside SLURM)."""
+    start: Mapping[str, Any] | None = None
+    """This run's ``start`` event (rank 0's), None when the trainer never started."""
+    exit: Mapping[str, Any] | None = None
+    """This run's ``exit`` event (rank 0's): ``requeue``, ``completed``, ``reasons``, ``step``."""
+    resumed: Mapping[str, Any] | None = None
+    hang: Mapping[str, Any] | None = None
+    """The hang watchdog's event, when it fired."""
+    refused: Mapping[str, Any] | None = None
+    """The ``lease-refused`` event this run wrote: another run held the job dir."""
+    clean: bool = False
+    """Every rank wrote an ``exit`` event without an error (:func:`_clean_exit`)."""
+    kill_switch: bool = False
+    requests: tuple[tuple[str, Mapping[str, Any]], ...] = ()
+    """Request files left from this run: (path, contents; empty when unreadable or broken)."""
+    runs: tuple[Mapping[str, Any], ...] = ()
+    """``runs.json``: the records of the runs before this one, oldest first."""
+    end_step: int | None = None
+    """Step of the newest valid checkpoint now."""
+    end_time: float = 0.0
+    """Wall clock when the facts were gathered."""
+
+    @property
+    def slurm_state(self) -> str | None:
+        return self.slurm_job.get("JobState", "").upper() if self.slurm_job else None
+
+    @property
+    def training_exit_code(self) -> int:
+        """The exit code the training counts as: 0 when every rank exited cleanly. torchrun and
+        srun may exit non-zero for a signal that reached them after every rank had saved and
+        exited cleanly: that is not a crash."""
+        return 0 if self.clean else self.exit_code
+
+    @property
+    def start_step(self) -> int | None:
+        """The step this run started from: what the previous run left, else what it resumed."""
+        if self.runs:
+            return self.runs[-1].get("end_step")
+        return self.resumed.get("step") if self.resumed else None
+
+    @property
+    def progress(self) -> bool:
+        """A valid checkpoint newer than the one this run started from exists."""
+        start = self.start_step
+        return self.end_step is not None and (start is None or self.end_step > start)
+
+    @property
+    def requeues(self) -> int:
+        """Requeues in a row before this run: SLURM's count, or ``runs.json``'s when larger
+        (a resubmission starts SLURM's count at 0 again)."""
+        return max(self.env.restart_count, streak(self.runs, lambda r: bool(r.get("requeue"))))
+
+    def record(self) -> dict[str, Any]:
+        """What this run adds to ``runs.json``, before the policy adds its verdict."""
+        start, hang = self.start, self.hang
+        return {
+            "job_id": self.env.job_id, "requeue_target": self.env.requeue_target,
+            "restart_count": self.env.restart_count,
+            "start_time": start.get("time") if start else None, "end_time": round(self.end_time, 3),
+            "exit_code": self.exit_code, "start_step": self.start_step, "end_step": self.end_step,
+            "progress": self.progress, "hang_step": hang.get("step") if hang else None,
+            "slurm_state": self.slurm_state,
+        }
+
+
+def streak(runs: tuple[Mapping[str, Any], ...], match: Callable[[Mapping[str, Any]], bool]) -> int:
+    """How many of the newest ``runs`` in a row ``match``."""
+    n = 0
+    for record in reversed(runs):
+        if not match(record):
+            break
+        n += 1
+    return n
+
+
+# --------------------------------------------------------------------------------------
+# gathering
+
+
+def gather(
+    jobdir: str | os.PathLike[str],
+    *,
+    exit_code: int,
+    env: SlurmEnv | None = None,
+    runner: Runner | None = None,
+    checkpoints_lookup: Callable[[Path], int | None] | None = None,
+    clock: Callable[[], float] = time.time,
+) -> RunFacts:
+    """Read the facts about the run that just ended with ``exit_code``. Reads only.
+
+    ``checkpoints_lookup`` (default :func:`newest_checkpoint_step`) finds the newest valid
+    checkpoint's step under ``JOBDIR/checkpoints``.
+    """
+    job = JobDir.of(jobdir)
+    if not job.root.is_dir():
+        raise ConfigError(f"job dir {job.root} does not exist; pass the JOBDIR the batch script uses")
+    env = env if env is not None else SlurmEnv.from_env()
+    lookup = checkpoints_lookup if checkpoints_lookup is not None else newest_checkpoint_step
+
+    info: dict[str, str] | None = None
+    if env.job_id is not None:
+        try:
+            info = job_info(env.job_id, runner=scontrol_runner(runner))
+        except SlurmError as exc:
+            log.warning("cannot ask SLURM about job %s, deciding without it: %s", env.job_id, exc)
+
+    all_events = list(read_events(job.events))
+    run_events = _this_run(all_events, env)
+    start = _last(run_events, "start")
+    return RunFacts(
+        job=job, env=env, exit_code=int(exit_code), slurm_job=info,
+        start=start, exit=_last(run_events, "exit"), resumed=_last(run_events, "resume"),
+        hang=_last(run_events, "hang"), refused=lease_refused(all_events, env),
+        clean=_clean_exit(run_events, start),
+        kill_switch=switch_is_set(job, "kill"),
+        requests=tuple((str(path), _contents(path)) for path in request_files(job)),
+        runs=tuple(read_runs(job.runs)),
+        end_step=lookup(job.checkpoints),
+        end_time=clock(),
+    )
+
+
+def newest_checkpoint_step(root: str | os.PathLike[str]) -> int | None:
+    """Step of the newest valid checkpoint under ``root`` (``JOBDIR/checkpoints``), or None.
+    Uses ftkit's checkpoint manager, which validates manifests."""
+    from ..checkpoint import CheckpointConfig, make_manager
+
+    manager = make_manager(CheckpointConfig(root=Path(root)), events=None, rank=0, world_size=1)
+    steps = [int(info.step) for info in manager.list() if info.valid]
+    return max(steps, default=None)
+
+
+def _contents(path: Path) -> Mapping[str, Any]:
+    """A leftover request file's object; empty when it is broken (it still counts as spent)."""
+    try:
+        return read_request(path).data
+    except (OSError, ValueError):
+        return {}
+
+
+def read_runs(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The run records of ``runs.json``; a missing or unreadable file gives ``[]``."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring unreadable %s: %s", path, exc)
+        return []
+    runs = data.get("runs") if isinstance(data, dict) else None
+    return [r for r in runs if isinstance(r, dict)] if isinstance(runs, list) else []
+
+
+def write_runs(path: str | os.PathLike[str], runs: list[dict[str, Any]]) -> None:
+    """Replace ``runs.json`` atomically with ``runs``."""
+    atomic_write(path, (json.dumps({"version": 1, "runs": runs}, indent=1, default=str) + "\n").encode())
+
+
+def _this_run(events: list[dict[str, Any]], env: SlurmEnv) -> list[dict[str, Any]]:
+    """The events of the run that just ended: after the last ``requeue`` event (the end of
+    the previous run), from the first ``start`` of this job id and restart count on."""
+    last_end = max((i for i, e in enumerate(events) if e.get("event") == "requeue"), default=-1)
+    block = events[last_end + 1 :]
+    for i, e in enumerate(block):
+        if (e.get("event") == "start" and e.get("job_id") == env.job_id
+                and int(e.get("restart_count") or 0) == env.restart_count):
+            return block[i:]
+    return []
+
+
+def _last(events: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
+    found = [e for e in events if e.get("event") == kind]
+    rank0 = [e for e in found if e.get("rank", 0) == 0]
+    return (rank0 or found)[-1] if found else None
+
+
+def lease_refused(events: list[dict[str, Any]], env: SlurmEnv) -> dict[str, Any] | None:
+    """The ``lease-refused`` event this run wrote (the job dir was held by another run), else None.
+
+    The refusal comes before any ``start`` event, so the whole log is searched, by job id and
+    restart count (outside SLURM: the newest refusal after the last ``requeue`` event).
+    """
+    last_end = max((i for i, e in enumerate(events) if e.get("event") == "requeue"), default=-1)
+    for i in range(len(events) - 1, -1, -1):
+        e = events[i]
+        if e.get("event") != "lease-refused":
+            continue
+        if env.job_id is None:
+            return e if i > last_end else None
+        if str(e.get("job_id")) == env.job_id and int(e.get("restart_count") or 0) == env.restart_count:
+            return e
+    return None
+
+
+def _clean_exit(run_events: list[dict[str, Any]], start: dict[str, Any] | None) -> bool:
+    """Every rank of this run wrote an ``exit`` event without an error (from its ``start`` event's
+    world size): whatever the launcher's exit code, the trainers ended on purpose."""
+    if start is None:
+        return False
+    world = start.get("world_size")
+    world = world if isinstance(world, int) and world > 0 else 1
+    clean = {e.get("rank", 0) for e in run_events if e.get("event") == "exit" and not e.get("error")}
+    return clean >= set(range(world))
