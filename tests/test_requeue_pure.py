@@ -25,7 +25,7 @@ START = {"event": "start", "time": 1.0, "world_size": 1}
 
 
 def facts(**kw) -> RunFacts:
-    return RunFacts(**{"job": JOB, "env": ENV, "exit_code": 0, "start": START, "end_time": 5.0, **kw})
+    return RunFacts(**{"jobdir": JOB, "env": ENV, "exit_code": 0, "start": START, "end_time": 5.0, **kw})
 
 
 def decide(f: RunFacts, policy: RequeuePolicy) -> RequeueDecision:

@@ -57,7 +57,7 @@ def scontrol_runner(runner: Runner | None) -> Runner:
 class RunFacts:
     """Everything the requeue policy looks at about the run that just ended."""
 
-    job: JobDir
+    jobdir: JobDir
     env: SlurmEnv
     exit_code: int
     """The launcher's exit code (``ftkit requeue --exit-code``)."""
@@ -172,7 +172,7 @@ def gather(
     run_events = _this_run(all_events, env)
     start = _last(run_events, "start")
     return RunFacts(
-        job=job, env=env, exit_code=int(exit_code), slurm_job=info,
+        jobdir=job, env=env, exit_code=int(exit_code), slurm_job=info,
         start=start, exit=_last(run_events, "exit"), resumed=_last(run_events, "resume"),
         hang=_last(run_events, "hang"), refused=lease_refused(all_events, env),
         clean=_clean_exit(run_events, start),

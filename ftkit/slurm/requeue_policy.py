@@ -227,7 +227,7 @@ class _Verdict:
 
 def _never_had_the_job_dir(facts: RunFacts, verdict: _Verdict) -> RequeueDecision | None:
     """0. this run never had the job dir: it must not touch the run that has it."""
-    job, refused = facts.job, facts.refused
+    job, refused = facts.jobdir, facts.refused
     if refused is not None and refused.get("idle"):
         return verdict(False, "stopped", f"kill-switch {job.kill_switch} is present; another run held the job dir, "
                        "this one did nothing (remove the kill-switch with `ftkit kill --clear` to let the job "
@@ -255,7 +255,7 @@ def _asked(facts: RunFacts, action: str) -> list[Mapping[str, Any]]:
 def _stopped_for_good(facts: RunFacts, verdict: _Verdict) -> RequeueDecision | None:
     """1. stopped for good."""
     if facts.kill_switch:
-        return verdict(False, "stopped", f"kill-switch {facts.job.kill_switch} is present "
+        return verdict(False, "stopped", f"kill-switch {facts.jobdir.kill_switch} is present "
                        "(remove it with `ftkit kill --clear` to let the job run again)")
     stop = _asked(facts, "stop")
     if stop:
