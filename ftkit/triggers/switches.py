@@ -175,11 +175,15 @@ def is_request_name(name: str) -> bool:
 
 
 def request_files(job_dir: JobDir | str | os.PathLike[str]) -> list[Path]:
-    """The request files in ``JOBDIR/requests/``, oldest name first; none if it is missing."""
+    """The request files in ``JOBDIR/requests/``, oldest name first; none if it is missing
+    (or cannot be listed: logged)."""
     folder = _job_dir(job_dir).requests
     try:
         names = os.listdir(folder)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as exc:
+        log.warning("cannot list %s: %s", folder, exc)
         return []
     return [folder / name for name in sorted(names) if is_request_name(name)]
 
