@@ -119,7 +119,7 @@ def test_status_on_missing_jobdir_names_it(tmp_path: Path) -> None:
 
 def test_request_files_seen_after_an_exit_are_removed_at_close(tmp_path: Path) -> None:
     """The trap's request file arriving after the forwarded signal must not stop the next run."""
-    from ftkit.triggers.files import write_request
+    from ftkit.triggers.switches import write_request
 
     with ftkit.FaultTolerance(tmp_path) as ft:
         ft.request("exit", reason="signal got there first")

@@ -164,6 +164,8 @@ def _line(info: Any, started: float, first: int) -> str:
 def _panel(info: Any, started: float, first: int, total: int) -> Any:
     from rich.table import Table
 
+    from ..triggers.switches import switch_is_set
+
     ft = info.ft
     rate = (info.step - first) / max(time.monotonic() - started, 1e-9)
     t = Table.grid(padding=(0, 2))
@@ -172,7 +174,7 @@ def _panel(info: Any, started: float, first: int, total: int) -> Any:
     t.add_row("throughput", f"{rate:.0f} steps/s")
     last = ft.last_saved_step
     t.add_row("last valid checkpoint", "none yet" if last is None else f"step {last}")
-    pending = [n for n, p in (("save-switch", ft.job.save_switch), ("kill-switch", ft.job.kill_switch)) if p.exists()]
+    pending = [f"{which}-switch" for which in ("save", "kill") if switch_is_set(ft.job, which)]
     t.add_row("pending triggers", ", ".join(pending) or "none")
     left = ft.budget.time_left()
     t.add_row("time left", "no deadline" if left is None else f"{left:.0f} s")

@@ -25,15 +25,13 @@ from .._fs import mount_of
 from ..decision import Action, Request, RequestBox, Source
 from ..errors import ConfigError
 from ..jobdir import JobDir
-from .switches import is_request_name, read_request, touch_switch, write_request
+from .switches import is_request_name, read_request
 
 __all__ = [
     "NETWORK_FSTYPES",
     "SwitchWatcher",
     "WatchConfig",
     "detect_network_fs",
-    "touch_switch",  # re-exported for callers of their old home; they live in .switches
-    "write_request",
 ]
 
 log = logging.getLogger(__name__)
