@@ -77,10 +77,15 @@ def events(jobdir: Path, kind: str | None = None) -> list[dict]:
     return [e for e in read_events(jobdir / "events.jsonl") if kind is None or e["event"] == kind]
 
 
-def snapshot(jobdir: Path) -> dict[str, tuple[int, int]]:
-    """Every path in the job dir but the events log and the holder's heartbeat: (size, mtime_ns)."""
+def snapshot(jobdir: Path) -> dict[str, tuple[int, int] | None]:
+    """Every path in the job dir but the events log and the lease record: (size, mtime_ns).
+
+    The holder's hang-watchdog heartbeats (``heartbeats/rank*.json``) are rewritten every few
+    seconds by the holder itself, so only their presence counts: another run must neither
+    create nor delete them (a slow machine can take longer than one beat between snapshots)."""
     skip = {"events.jsonl", "lease.json"}
-    return {str(p.relative_to(jobdir)): (p.lstat().st_size, p.lstat().st_mtime_ns)
+    beats = jobdir / "heartbeats"
+    return {str(p.relative_to(jobdir)): None if p.parent == beats else (p.lstat().st_size, p.lstat().st_mtime_ns)
             for p in sorted(jobdir.rglob("*")) if p.name not in skip}
 
 
