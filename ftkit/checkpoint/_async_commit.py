@@ -44,6 +44,7 @@ import torch
 
 from ..errors import CheckpointError
 from ._async_buffers import Ref
+from ._commit import save_error
 from ._config import CheckpointInfo
 from ._files import CHECKSUM, atomic_write_bytes, crc32, crc32_file, fsync_dir
 from ._layout import DCP_DIR, SENTINEL, rank_file, step_name
@@ -189,8 +190,9 @@ def merge_metadata(plans: Mapping[int, Mapping[str, Any]]) -> tuple[Any, list[An
 class RankCommit:
     """``persist`` for one rank of several: its part, plus, on rank 0, the commit (module doc).
 
-    Wraps the rank's :class:`~ftkit.checkpoint.Checkpointer` (its preparation, commit, retention
-    and bookkeeping of failed steps are reused) and runs on the rank's checkpoint worker thread.
+    Wraps the rank's :class:`~ftkit.checkpoint.Checkpointer`: rank 0 prepares, commits and applies
+    retention through its ``commits`` (:class:`._commit.Committer`, the protocol every write path
+    shares). Runs on the rank's checkpoint worker thread.
     """
 
     def __init__(
@@ -245,30 +247,27 @@ class RankCommit:
                 saved_for=reason,
                 reason=f"rank {self.rank}'s part is durable; rank 0 commits the checkpoint",
             )
-        ck = self.ckpt
-        ck._in_progress.add(step)
-        try:
-            existing = ck._prepare(step, path, pin)
-            if existing is not None:
-                return existing
-            # the save id tells the other ranks which save this directory is for; like the
-            # sentinel of a synchronous save it is not fsynced (no manifest: incomplete anyway)
-            atomic_write_bytes(path / SENTINEL, save_id.encode(), sync=False)
-            self._write_part(snapshot, path, save_id, step, progress)
-            parts = self._await_parts(path, save_id, step)
-            files = self._seal_dcp(path, parts)
-            info = ck._commit(step, path, files, pin=pin, reason=reason)
-        except BaseException as exc:
-            ck._failed.add(step)
-            err = self._error(exc, step, path, progress, snapshot)
-            ck._emit("save-failed", step=step, path=str(path), error=str(err))
-            if err is exc:
-                raise
-            raise err from exc
-        finally:
-            ck._in_progress.discard(step)
+        commits = self.ckpt.commits
+        with commits.saving(step):
+            try:
+                existing = commits.prepare(step, pin=pin)
+                if existing is not None:
+                    return existing
+                # the save id tells the other ranks which save this directory is for; like the
+                # sentinel of a synchronous save it is not fsynced (no manifest: incomplete anyway)
+                atomic_write_bytes(path / SENTINEL, save_id.encode(), sync=False)
+                self._write_part(snapshot, path, save_id, step, progress)
+                parts = self._await_parts(path, save_id, step)
+                files = self._seal_dcp(path, parts)
+                info = commits.commit(step, files, pin=pin, reason=reason)
+            except BaseException as exc:
+                err = self._error(exc, step, path, progress, snapshot)
+                commits.abandon(step, err)
+                if err is exc:
+                    raise
+                raise err from exc
         # the rank commit runs on rank 0's worker: no barrier here, only the log, event, retention
-        ck._saved(info, seconds=time.monotonic() - started, reason=reason)
+        commits.committed(info, seconds=time.monotonic() - started, reason=reason)
         return info
 
     def _error(
@@ -277,7 +276,7 @@ class RankCommit:
         if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
             return exc
         if isinstance(exc, OSError):
-            return self.ckpt._os_error(exc, step, path, progress, snapshot.nbytes)
+            return save_error(exc, step, path, progress, snapshot.nbytes)
         return CheckpointError(
             f"could not save rank {self.rank}'s part of checkpoint step {step} to {path}: {exc}"
         )
