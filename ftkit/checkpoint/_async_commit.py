@@ -15,8 +15,9 @@ No collective runs off the main thread; the workers coordinate through files in 
 4. Rank 0's worker waits for all ``world_size`` parts of this save while files in the step
    directory keep growing, and fails after ``commit_timeout`` seconds without growth, naming the
    ranks that never confirmed. Then it merges the plans into DCP's ``dcp/.metadata`` and commits
-   (``manifest.json``, sentinel removal, fsync, ``latest``, retention): the layout of a synchronous
-   multi-rank save, loaded by ``Checkpointer.load``.
+   through the commit protocol of every write path (:mod:`._commit`: ``manifest.json``, sentinel
+   removal, fsync, ``latest``, retention): the layout of a synchronous multi-rank save, loaded by
+   ``Checkpointer.load``.
 
 DCP without its collective planner: each rank plans locally (``DefaultSavePlanner``, on the main
 thread while snapshotting, :func:`plan_sharded`). An item every rank holds (a plain tensor or value,
