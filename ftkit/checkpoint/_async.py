@@ -273,7 +273,7 @@ class AsyncCheckpointer:
     ) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
         if not self._distributed:
             return flatten(state, found=found)
-        from ._async_commit import plan_sharded
+        from ._async_plan import plan_sharded
         from ._dcp import sharded_keys
 
         keys = sharded_keys(state)
