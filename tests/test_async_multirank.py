@@ -191,7 +191,7 @@ def test_settings_and_refusals(tmp_path):
 
     from ftkit.checkpoint import CheckpointConfig
     from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
-    from ftkit.checkpoint._async_commit import merge_metadata
+    from ftkit.checkpoint._async_plan import merge_metadata
     from ftkit.errors import CheckpointError, ConfigError
 
     with pytest.raises(ConfigError, match=r"checkpoint\.async\.commit_timeout"):

@@ -162,7 +162,7 @@ class AsyncCheckpointer:
         if cfg.memory_every is None or step % cfg.memory_every:
             return False
         persist = cfg.persist_due(step)
-        self._take(step, state, persist=persist, pin=False,
+        self._snapshot_now(step, state, persist=persist, pin=False,
                    reason=f"periodic (persist every {cfg.persist_period} steps)" if persist else None)
         return True
 
@@ -181,7 +181,7 @@ class AsyncCheckpointer:
             else:
                 self._submit(newest, pin=pin, reason=reason)
         else:
-            self._take(step, state, persist=True, pin=pin, reason=reason)
+            self._snapshot_now(step, state, persist=True, pin=pin, reason=reason)
         return CheckpointInfo(
             step=step, path=self.checkpointer.root / step_name(step), status="pending",
             reason="being persisted in the background; wait() returns once it is durable",
@@ -233,7 +233,8 @@ class AsyncCheckpointer:
             ) from err
 
     # ------------------------------------------------------------------ snapshot and submit
-    def _take(self, step: int, state: Mapping[str, Any], *, persist: bool, pin: bool, reason: str | None) -> None:
+    def _snapshot_now(self, step: int, state: Mapping[str, Any], *, persist: bool, pin: bool, reason: str | None) -> None:
+        """Copy ``state`` into a free slot now (waiting for one), then submit it when ``persist``."""
         self._check_open()
         began = self._clock()
         limit = self.async_config.max_in_flight
@@ -272,7 +273,7 @@ class AsyncCheckpointer:
     ) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
         if not self._distributed:
             return flatten(state, found=found)
-        from ._async_commit import plan_sharded
+        from ._async_plan import plan_sharded
         from ._dcp import sharded_keys
 
         keys = sharded_keys(state)

@@ -15,24 +15,18 @@ No collective runs off the main thread; the workers coordinate through files in 
 4. Rank 0's worker waits for all ``world_size`` parts of this save while files in the step
    directory keep growing, and fails after ``commit_timeout`` seconds without growth, naming the
    ranks that never confirmed. Then it merges the plans into DCP's ``dcp/.metadata`` and commits
-   (``manifest.json``, sentinel removal, fsync, ``latest``, retention): the layout of a synchronous
-   multi-rank save, loaded by ``Checkpointer.load``.
+   through the commit protocol of every write path (:mod:`._commit`: ``manifest.json``, sentinel
+   removal, fsync, ``latest``, retention): the layout of a synchronous multi-rank save, loaded by
+   ``Checkpointer.load``.
 
-DCP without its collective planner: each rank plans locally (``DefaultSavePlanner``, on the main
-thread while snapshotting, :func:`plan_sharded`). An item every rank holds (a plain tensor or value,
-e.g. DDP's replicated weights) is written by rank 0 only; a DTensor shard by the replica at
-coordinate 0 of its ``Replicate`` mesh dimensions: DCP's ``dedup_save_to_lowest_rank`` choice,
-made without a gather. Rank 0 checks that every item some rank holds was written by one and that
-each tensor's chunks cover it, before it writes the metadata.
+The DCP plans the ranks write and rank 0 merges are :mod:`._async_plan`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
-import math
 import os
 import pickle
 import time
@@ -40,10 +34,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..errors import CheckpointError
-from ._async_buffers import Ref
+from ._async_plan import Resolver, merge_metadata
+from ._commit import save_error
 from ._config import CheckpointInfo
 from ._files import CHECKSUM, atomic_write_bytes, crc32, crc32_file, fsync_dir
 from ._layout import DCP_DIR, SENTINEL, rank_file, step_name
@@ -51,7 +44,7 @@ from ._manifest import validate_dir
 from ._single import WriteProgress, write_state_file
 from ._state import Snapshot
 
-__all__ = ["PART_FORMAT", "RankCommit", "part_name", "plan_sharded"]
+__all__ = ["PART_FORMAT", "RankCommit", "part_name"]
 
 log = logging.getLogger(__name__)
 
@@ -62,135 +55,13 @@ def part_name(rank: int, suffix: str = "json") -> str:
     return f"part-rank-{rank:05d}.{suffix}"
 
 
-# ---------------------------------------------------------------------- main thread: local DCP plan
-def _writes_item(obj: Any, rank: int) -> bool:
-    """Whether this rank writes ``obj``'s item: one writer per item, decided without a gather."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, DTensor):
-        coord = obj.device_mesh.get_coordinate()
-        return coord is not None and all(
-            c == 0 for c, p in zip(coord, obj.placements, strict=True) if p.is_replicate()
-        )
-    if hasattr(obj, "local_shards"):  # legacy ShardedTensor: its local shards are this rank's alone
-        return True
-    return rank == 0  # plain tensors and values are replicated (DCP's semantics): lowest rank
-
-
-def plan_sharded(
-    state: Mapping[str, Any], keys: frozenset[str], rank: int, start: int
-) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
-    """This rank's DCP part of ``keys``: ``(skeleton, [(where, live tensor), ...])``, no copies.
-
-    The skeleton holds the local plan (``held``: every item this rank has; ``written``: those it
-    writes), DCP's flattening ``mappings`` and per written item a :class:`Ref` (numbered from
-    ``start``) or, for a non-tensor value, its ``torch.save`` bytes taken now. No collectives.
-    """
-    from torch.distributed.checkpoint import DefaultSavePlanner
-    from torch.distributed.checkpoint.planner import WriteItemType
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    from ._dcp import _live_state_dicts
-
-    planner = DefaultSavePlanner()
-    planner.set_up_planner(
-        state_dict=_live_state_dicts(state, keys, StateDictOptions()),
-        storage_meta=None,
-        is_coordinator=rank == 0,
-    )
-    plan = planner.create_local_plan()
-    written: list[Any] = []
-    data: list[Any] = []
-    tensors: list[tuple[str, torch.Tensor]] = []
-    for item in plan.items:
-        if not _writes_item(planner.state_dict[item.index.fqn], rank):
-            continue
-        value = planner.lookup_object(item.index)
-        written.append(item)
-        if item.type == WriteItemType.BYTE_IO:
-            data.append(planner.transform_object(item, value).getvalue())
-        else:
-            offset = tuple(item.index.offset) if item.index.offset is not None else ()
-            tensors.append((f"dcp[{item.index.fqn!r}]@{offset}", value.detach()))
-            data.append(Ref(start + len(tensors) - 1))
-    skeleton = {
-        "held": [item.index for item in plan.items],
-        "written": written,
-        "data": data,
-        "mappings": dict(planner.mappings),
-    }
-    return skeleton, tensors
-
-
-class _Resolver:
-    """The ``planner.resolve_data`` that DCP's FileSystemWriter asks for each item's host copy."""
-
-    def __init__(self, items: list[Any], data: list[Any]) -> None:
-        self._data = {item.index: value for item, value in zip(items, data, strict=True)}
-
-    def resolve_data(self, item: Any) -> Any:
-        value = self._data[item.index]
-        return io.BytesIO(value) if isinstance(value, bytes) else value
-
-
-# ---------------------------------------------------------------------- rank 0: merge the plans
-def merge_metadata(plans: Mapping[int, Mapping[str, Any]]) -> tuple[Any, list[Any]]:
-    """DCP ``Metadata`` and the write results of all ranks' plans; CheckpointError if a piece is missing."""
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        Metadata,
-        TensorStorageMetadata,
-    )
-    from torch.distributed.checkpoint.planner import WriteItemType
-
-    md: dict[str, Any] = {}
-    results: dict[Any, Any] = {}
-    mappings: dict[str, Any] = {}
-    holders: dict[Any, list[int]] = {}
-    for rank in sorted(plans):
-        plan = plans[rank]
-        for fqn, path in plan["mappings"].items():
-            mappings.setdefault(fqn, path)
-        for index in plan["held"]:
-            holders.setdefault(index, []).append(rank)
-        by_index = {wr.index: wr for wr in plan["results"]}
-        for item in plan["written"]:
-            if item.index in results:
-                continue
-            results[item.index] = by_index[item.index]
-            fqn = item.index.fqn
-            if item.type == WriteItemType.BYTE_IO:
-                md[fqn] = BytesStorageMetadata()
-            else:
-                td = item.tensor_data
-                entry = md.setdefault(
-                    fqn, TensorStorageMetadata(properties=td.properties, size=td.size, chunks=[])
-                )
-                entry.chunks.append(td.chunk)
-    unwritten = sorted({i.fqn for i in holders if i not in results})
-    if unwritten:
-        held_by = {i.fqn: holders[i] for i in holders if i not in results}
-        raise CheckpointError(
-            f"no rank wrote {', '.join(unwritten[:5])} (held by ranks {held_by[unwritten[0]]}): a "
-            "non-DTensor value that rank 0 lacks cannot be saved asynchronously; keep such state "
-            "identical on every rank, or use the synchronous Checkpointer"
-        )
-    for fqn, entry in md.items():
-        if isinstance(entry, TensorStorageMetadata):
-            covered = sum(math.prod(c.sizes) for c in entry.chunks)
-            if covered != math.prod(entry.size):
-                raise CheckpointError(
-                    f"the shards of {fqn} cover {covered} of {math.prod(entry.size)} elements"
-                )
-    return Metadata(state_dict_metadata=md, planner_data=mappings), list(results.values())
-
-
 # ---------------------------------------------------------------------- the per-rank worker side
 class RankCommit:
     """``persist`` for one rank of several: its part, plus, on rank 0, the commit (module doc).
 
-    Wraps the rank's :class:`~ftkit.checkpoint.Checkpointer` (its preparation, commit, retention
-    and bookkeeping of failed steps are reused) and runs on the rank's checkpoint worker thread.
+    Wraps the rank's :class:`~ftkit.checkpoint.Checkpointer`: rank 0 prepares, commits and applies
+    retention through its ``commits`` (:class:`._commit.Committer`, the protocol every write path
+    shares). Runs on the rank's checkpoint worker thread.
     """
 
     def __init__(
@@ -245,30 +116,27 @@ class RankCommit:
                 saved_for=reason,
                 reason=f"rank {self.rank}'s part is durable; rank 0 commits the checkpoint",
             )
-        ck = self.ckpt
-        ck._in_progress.add(step)
-        try:
-            existing = ck._prepare(step, path, pin)
-            if existing is not None:
-                return existing
-            # the save id tells the other ranks which save this directory is for; like the
-            # sentinel of a synchronous save it is not fsynced (no manifest: incomplete anyway)
-            atomic_write_bytes(path / SENTINEL, save_id.encode(), sync=False)
-            self._write_part(snapshot, path, save_id, step, progress)
-            parts = self._await_parts(path, save_id, step)
-            files = self._seal_dcp(path, parts)
-            info = ck._commit(step, path, files, pin=pin, reason=reason)
-        except BaseException as exc:
-            ck._failed.add(step)
-            err = self._error(exc, step, path, progress, snapshot)
-            ck._emit("save-failed", step=step, path=str(path), error=str(err))
-            if err is exc:
-                raise
-            raise err from exc
-        finally:
-            ck._in_progress.discard(step)
+        commits = self.ckpt.commits
+        with commits.saving(step):
+            try:
+                existing = commits.prepare(step, pin=pin)
+                if existing is not None:
+                    return existing
+                # the save id tells the other ranks which save this directory is for; like the
+                # sentinel of a synchronous save it is not fsynced (no manifest: incomplete anyway)
+                atomic_write_bytes(path / SENTINEL, save_id.encode(), sync=False)
+                self._write_part(snapshot, path, save_id, step, progress)
+                parts = self._await_parts(path, save_id, step)
+                files = self._seal_dcp(path, parts)
+                info = commits.commit(step, files, pin=pin, reason=reason)
+            except BaseException as exc:
+                err = self._error(exc, step, path, progress, snapshot)
+                commits.abandon(step, err)
+                if err is exc:
+                    raise
+                raise err from exc
         # the rank commit runs on rank 0's worker: no barrier here, only the log, event, retention
-        ck._saved(info, seconds=time.monotonic() - started, reason=reason)
+        commits.committed(info, seconds=time.monotonic() - started, reason=reason)
         return info
 
     def _error(
@@ -277,7 +145,7 @@ class RankCommit:
         if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
             return exc
         if isinstance(exc, OSError):
-            return self.ckpt._os_error(exc, step, path, progress, snapshot.nbytes)
+            return save_error(exc, step, path, progress, snapshot.nbytes)
         return CheckpointError(
             f"could not save rank {self.rank}'s part of checkpoint step {step} to {path}: {exc}"
         )
@@ -389,7 +257,7 @@ class RankCommit:
         if written:
             writer = FileSystemWriter(path / DCP_DIR, sync_files=sync)
             plan = SavePlan(items=written, storage_data=_StoragePrefix(f"__{self.rank}_"))
-            results = writer.write_data(plan, _Resolver(written, sharded["data"])).value()  # type: ignore[arg-type]
+            results = writer.write_data(plan, Resolver(written, sharded["data"])).value()  # type: ignore[arg-type]
             for entry in sorted({wr.storage_data.relative_path for wr in results}):
                 size, crc = crc32_file(path / DCP_DIR / entry)
                 files[f"{DCP_DIR}/{entry}"] = {"size": size, CHECKSUM: crc, "rank": self.rank}

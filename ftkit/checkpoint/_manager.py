@@ -13,13 +13,14 @@ Commit protocol of one save (``persist``):
    incomplete (no manifest, or the sentinel), after a crash of the process or of the machine
    alike, so nothing is fsynced before the data; five fsyncs per save with one rank.
 5. rank 0 applies retention; every rank returns after a final agreement.
+
+Stages 1, 4 and 5 are the commit protocol every write path shares (:mod:`._commit`, through
+``self.commits``); this module writes the parts (2) and gathers them (3).
 """
 
 from __future__ import annotations
 
 import builtins
-import contextlib
-import errno
 import logging
 import os
 import time
@@ -29,13 +30,12 @@ from typing import Any
 
 from ..errors import CheckpointError, NoCheckpointError
 from ._comm import Comm
+from ._commit import Committer, save_error
 from ._config import CheckpointConfig, CheckpointInfo
-from ._files import atomic_write_bytes, fsync_dir
-from ._layout import DCP_DIR, LATEST, PIN, SENTINEL, list_step_dirs, rank_file, step_name
+from ._layout import DCP_DIR, list_step_dirs, rank_file, step_name
 from ._load import check_missing, describe_rule, is_dcp, match_keys
-from ._manifest import build_manifest, validate_dir, verify_files, verify_share, write_manifest
-from ._pins import pin_checkpoint, unpin_checkpoint
-from ._retention import delete_checkpoint, plan_retention
+from ._manifest import validate_dir, verify_files, verify_share
+from ._pins import pin_checkpoint
 from ._single import WriteProgress, read_state_file, read_state_into, write_state_file
 from ._state import (
     Snapshot,
@@ -74,13 +74,8 @@ class Checkpointer:
         self.rank = rank
         self.world_size = world_size
         self.comm = Comm(rank=rank, world_size=world_size, process_group=process_group)
-        self._clock = clock
-        self._in_progress: set[int] = set()
-        # steps whose directory is known dead: our failed saves, and incomplete directories
-        # found when this manager first looked at the root (crash leftovers of an earlier run:
-        # one job writes a checkpoint root at a time). Removed before the next save.
-        self._failed: set[int] = set()
-        self._looked = False
+        self.commits = Committer(config, rank=rank, world_size=world_size, clock=clock, emit=self._emit)
+        """The commit protocol of this manager's root (:mod:`._commit`): every save commits through it."""
         self._closed = False
         self.loaded: CheckpointInfo | None = None
         """The checkpoint the last ``load`` restored (its ``world_size`` is the saving run's)."""
@@ -118,106 +113,28 @@ class Checkpointer:
         """Write ``snapshot`` as checkpoint ``step`` with the full commit protocol (stage 2)."""
         if not isinstance(step, int) or step < 0:
             raise CheckpointError(f"checkpoint step must be a non-negative int, got {step!r}")
-        path = self.root / step_name(step)
+        commits = self.commits
         started = time.monotonic()
         progress = WriteProgress()
-        self._in_progress.add(step)
-        try:
-            existing = self.comm.on_rank0(
-                lambda: self._prepare(step, path, pin), f"preparing {path}"
-            )
-            if existing is not None:
-                return existing
-            files = self._write_parts(snapshot, path, progress)
-            info = self.comm.on_rank0(
-                lambda: self._commit(step, path, files, pin=pin, reason=reason),
-                f"committing {path}",
-            )
-        except CheckpointError as exc:
-            self._failed.add(step)
-            self._emit("save-failed", step=step, path=str(path), error=str(exc))
-            raise
-        except OSError as exc:
-            self._failed.add(step)
-            err = self._os_error(exc, step, path, progress, snapshot.nbytes)
-            self._emit("save-failed", step=step, path=str(path), error=str(err))
-            raise err from exc
-        finally:
-            self._in_progress.discard(step)
-        self._saved(info, seconds=time.monotonic() - started, reason=reason)
+        with commits.saving(step) as path:
+            try:
+                existing = self.comm.on_rank0(lambda: commits.prepare(step, pin=pin), f"preparing {path}")
+                if existing is not None:
+                    return existing
+                files = self._write_parts(snapshot, path, progress)
+                info = self.comm.on_rank0(
+                    lambda: commits.commit(step, files, pin=pin, reason=reason), f"committing {path}"
+                )
+            except CheckpointError as exc:
+                commits.abandon(step, exc)
+                raise
+            except OSError as exc:
+                err = save_error(exc, step, path, progress, snapshot.nbytes)
+                commits.abandon(step, err)
+                raise err from exc
+        commits.committed(info, seconds=time.monotonic() - started, reason=reason)
         self.comm.barrier()
         return info
-
-    def _saved(self, info: CheckpointInfo, *, seconds: float, reason: str | None) -> None:
-        """After a commit: log it, write the ``save`` event, apply retention (rank 0)."""
-        log.info("saved checkpoint step %d to %s (%d bytes, %d ranks, %.2fs)",
-                 info.step, info.path, info.size, self.comm.world_size, seconds)
-        self._emit("save", step=info.step, path=str(info.path), bytes=info.size,
-                   seconds=round(seconds, 3), reason=reason)
-        if self.rank == 0:
-            try:
-                self.apply_retention()
-            except Exception as exc:  # the checkpoint is committed; retention can retry next time
-                log.warning("retention after saving step %d failed: %s", info.step, exc)
-
-    def _os_error(
-        self, exc: OSError, step: int, path: Path, progress: WriteProgress, nbytes: int
-    ) -> CheckpointError:
-        name = errno.errorcode.get(exc.errno or 0, "error")
-        where = exc.filename or (progress.writer.path if progress.writer else path)
-        return CheckpointError(
-            f"could not save checkpoint step {step} to {path}: {name} ({exc.strerror or exc}) on {where} "
-            f"after writing {progress.total} bytes; the snapshot holds {nbytes} bytes of tensors. "
-            f"The partial checkpoint stays marked incomplete ({SENTINEL}) and is removed later; "
-            "earlier checkpoints are untouched"
-        )
-
-    def _note_leftovers(self) -> None:
-        if self._looked or self.rank != 0:
-            return
-        self._looked = True
-        for info in self.list():
-            if info.status == "incomplete" and info.step not in self._in_progress:
-                log.info(
-                    "found incomplete checkpoint %s from an earlier run: %s", info.path, info.reason
-                )
-                self._failed.add(info.step)
-
-    def _prepare(self, step: int, path: Path, pin: bool) -> CheckpointInfo | None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._note_leftovers()
-        self._clean_leftovers()
-        if os.path.lexists(path):
-            info = validate_dir(path)
-            if info.valid:
-                log.info("checkpoint step %d already exists and is valid; not rewriting it", step)
-                if pin and not info.pinned:
-                    pin_checkpoint(self.root, step, sync=self.config.fsync)
-                return validate_dir(path)
-            self._delete(info, "replaced by a new save of the same step")
-        try:
-            os.mkdir(path)
-        except OSError as exc:
-            raise CheckpointError(
-                f"cannot create checkpoint directory {path}: {exc.strerror or exc} (0 bytes written)"
-            ) from exc
-        try:
-            os.close(os.open(path / SENTINEL, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-            if pin:
-                os.close(os.open(path / PIN, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-            if self.comm.distributed:
-                os.mkdir(path / DCP_DIR)
-            # no fsync here: until the manifest is durable the directory is incomplete whether
-            # or not a crash of the machine keeps the sentinel; _commit fsyncs the directory
-            # and the root once everything is in
-        except OSError as exc:
-            if not os.path.lexists(path / SENTINEL):
-                with contextlib.suppress(OSError):
-                    os.rmdir(path)
-            raise CheckpointError(
-                f"cannot start checkpoint {path}: {exc.strerror or exc} (0 bytes written)"
-            ) from exc
-        return None
 
     def _write_parts(
         self, snapshot: Snapshot, path: Path, progress: WriteProgress
@@ -234,7 +151,7 @@ class Checkpointer:
         except OSError as exc:
             if not self.comm.distributed:
                 raise
-            problem = str(self._os_error(exc, -1, path, progress, snapshot.nbytes))
+            problem = str(save_error(exc, -1, path, progress, snapshot.nbytes))
         self.comm.all_ok(problem, f"saving {path}")
         if self.comm.distributed:
             from ._dcp import save_sharded
@@ -252,31 +169,6 @@ class Checkpointer:
             merged.update(part)
         return merged
 
-    def _commit(
-        self, step: int, path: Path, files: dict[str, dict], *, pin: bool, reason: str | None
-    ) -> CheckpointInfo:
-        manifest = build_manifest(
-            step=step,
-            time=self._clock(),
-            world_size=self.world_size,
-            kind="dcp" if self.comm.distributed else "single",
-            reason=reason,
-            pinned=pin,
-            files=files,
-        )
-        sync = self.config.fsync
-        write_manifest(path, manifest, sync=sync, sync_dir=False)
-        os.unlink(path / SENTINEL)
-        if sync:  # one fsync for the entries of the data files, the manifest and the sentinel
-            fsync_dir(path)
-        try:
-            atomic_write_bytes(self.root / LATEST, f"{path.name}\n".encode(), sync=sync, sync_dir=False)
-        except OSError as exc:  # a hint only; listing never depends on it
-            log.warning("could not update %s: %s", self.root / LATEST, exc)
-        if sync:  # the step directory's own entry (and latest's)
-            fsync_dir(self.root)
-        return validate_dir(path)
-
     # ------------------------------------------------------------------ load
     def load(self, state: Mapping[str, Any], step: int | None = None) -> int | None:
         """Restore the newest valid checkpoint (or ``step``) into ``state`` in place.
@@ -290,7 +182,7 @@ class Checkpointer:
             return None
         began = time.monotonic()  # the load event splits finding/validating from reading
         self.comm.check()
-        self._note_leftovers()
+        self.commits.note_leftovers()
         if step is None:
             candidates = [p for _, p in list_step_dirs(self.root)]
         else:
@@ -473,7 +365,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ listing, retention
     def list(self) -> list[CheckpointInfo]:
         """Every step directory in the root, newest first, with its validity (sizes only)."""
-        return [validate_dir(p) for _, p in list_step_dirs(self.root)]
+        return self.commits.list()
 
     def validate(self, path: str | os.PathLike[str], checksums: bool = False) -> CheckpointInfo:
         return validate_dir(path, checksums=checksums)
@@ -483,41 +375,9 @@ class Checkpointer:
             pin_checkpoint(self.root, step, sync=self.config.fsync)
             self._emit("pin", step=step)
 
-    def unpin(self, step: int) -> None:
-        if self.rank == 0:
-            unpin_checkpoint(self.root, step, sync=self.config.fsync)
-            self._emit("unpin", step=step)
-
     def apply_retention(self) -> builtins.list[Path]:
         """Delete what the retention policy says (rank 0 only); returns the deleted paths."""
-        if self.rank != 0:
-            return []
-        return [info.path for info, why in self._retention_plan() if self._delete(info, why)]
-
-    def _retention_plan(self) -> builtins.list[tuple[CheckpointInfo, str]]:
-        return plan_retention(
-            self.list(),
-            keep_last=self.config.keep_last,
-            keep_every=self.config.keep_every,
-            in_progress=self._in_progress,
-            failed=self._failed,
-        )
-
-    def _clean_leftovers(self) -> None:
-        for info, why in self._retention_plan():
-            if not info.valid:
-                self._delete(info, why)
-
-    def _delete(self, info: CheckpointInfo, why: str) -> bool:
-        try:
-            delete_checkpoint(self.root, info.path)
-        except CheckpointError as exc:
-            log.warning("%s", exc)
-            return False
-        self._failed.discard(info.step)
-        log.info("deleted checkpoint %s: %s", info.path, why)
-        self._emit("delete", step=info.step, path=str(info.path), reason=why, status=info.status)
-        return True
+        return self.commits.apply_retention()
 
     def _emit(self, event: str, **fields: Any) -> None:
         if self.events is not None and self.rank == 0:

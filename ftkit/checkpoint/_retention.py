@@ -73,17 +73,22 @@ def plan_retention(
 
 
 def delete_checkpoint(
-    root: str | os.PathLike[str], path: str | os.PathLike[str], *, rmtree: Callable = shutil.rmtree
+    root: str | os.PathLike[str],
+    path: str | os.PathLike[str],
+    *,
+    rmtree: Callable = shutil.rmtree,
+    parse: Callable[[str], int | None] = parse_step,
 ) -> None:
     """Delete one step directory directly inside ``root``.
 
-    Refuses anything not named like a step directory, not directly inside ``root`` or not a
+    Refuses anything not named like a step directory (``parse``: ftkit's ``step-N`` names, or the
+    Hugging Face integration's ``checkpoint-N``), not directly inside ``root`` or not a
     real directory (a symlink is never followed, let alone deleted through). The sentinel
     is created first, so a deletion cut short leaves a directory that reads as incomplete.
     """
     root_real = os.path.realpath(root)
     path = Path(path)
-    if parse_step(path.name) is None:
+    if parse(path.name) is None:
         raise CheckpointError(f"refusing to delete {path}: not an ftkit step directory name")
     if os.path.realpath(path.parent) != root_real:
         raise CheckpointError(

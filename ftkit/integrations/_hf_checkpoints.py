@@ -8,17 +8,18 @@ Pure file work (no torch, no transformers), so resuming and listing stay cheap.
         model.safetensors ...       whatever Trainer saves (model, optimizer, RNG, state)
         manifest.json               ftkit's commit proof: size + CRC-32 of every file
 
-The format of ``manifest.json`` is ftkit's own (``docs/format.md``); ``kind`` is ``hf``.
+The format of ``manifest.json`` is ftkit's own (``docs/format.md``); ``kind`` is ``hf``. The
+commit and the deletions are ftkit's one commit protocol (``ftkit.checkpoint._commit``); only
+what is particular to Trainer's directories is here (marking one Trainer writes in place,
+collecting the files it wrote).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
 import re
-import shutil
 import stat
 import time
 from collections.abc import Collection, Iterator
@@ -26,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import CheckpointInfo, validate_dir
+from ..checkpoint._commit import mark_incomplete, seal
+from ..checkpoint._commit import retain as retain_dirs
 from ..checkpoint._files import crc32_file, fsync_dir, fsync_file
 from ..checkpoint._layout import MANIFEST, SENTINEL, list_step_dirs
-from ..checkpoint._manifest import build_manifest, write_manifest
-from ..checkpoint._retention import plan_retention
 from ..errors import CheckpointError
 
 __all__ = [
@@ -118,8 +119,7 @@ def arm(path: str | os.PathLike[str], *, sync: bool = True) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     if not stat.S_ISDIR(os.lstat(path).st_mode):
         raise CheckpointError(f"{path} is not a real directory; refusing to save a checkpoint through it")
-    fd = os.open(path / SENTINEL, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    os.close(fd)
+    mark_incomplete(path)
     if sync:
         fsync_dir(path)
     try:
@@ -154,8 +154,9 @@ def commit(
     sync: bool = True,
     clock=time.time,
 ) -> CheckpointInfo:
-    """Seal a directory Trainer has finished writing: fsync every file, write ``manifest.json``
-    (sizes + CRC-32) last, then remove the sentinel. Raises CheckpointError if it cannot."""
+    """Seal a directory Trainer has finished writing: fsync every file and directory, then
+    :func:`ftkit.checkpoint._commit.seal` (``manifest.json`` with sizes + CRC-32 last, then the
+    sentinel removed; no ``latest`` hint). Raises CheckpointError if it cannot."""
     path = Path(path)
     try:
         files: dict[str, dict[str, Any]] = {}
@@ -169,13 +170,8 @@ def commit(
         if sync:
             for dirpath, _dirs, _names in os.walk(path):
                 fsync_dir(dirpath)
-        manifest = build_manifest(step=step, time=clock(), world_size=world_size, kind="hf",
-                                  reason=reason, pinned=False, files=files)
-        write_manifest(path, manifest, sync=sync)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path / SENTINEL)
-        if sync:
-            fsync_dir(path)
+        seal(path, step=step, files=files, kind="hf", world_size=world_size, reason=reason,
+             pinned=False, time=clock(), sync=sync)
     except OSError as exc:
         raise CheckpointError(f"could not commit checkpoint {path}: {exc}") from exc
     return inspect(path)
@@ -204,40 +200,15 @@ def retain(
     protect: Collection[str | os.PathLike[str]] = (),
     events: Any = None,
 ) -> list[Path]:
-    """Delete ``checkpoint-N`` directories the way ftkit's retention does (see
-    ``ftkit.checkpoint._retention``): the newest ``keep_last`` valid ones and the newest valid
+    """Delete ``checkpoint-N`` directories through ftkit's retention (``ftkit.checkpoint._commit``,
+    its plan in ``ftkit.checkpoint._retention``): the newest ``keep_last`` valid ones and the newest valid
     one always stay, incomplete leftovers go once a newer valid one exists. ``protect`` (e.g.
     Trainer's best-model checkpoint) is never deleted. Returns what was deleted."""
     root = Path(output_dir)
     keep = {os.path.realpath(p) for p in protect}
-    infos = [inspect(path) for _step, path in checkpoint_dirs(root)]
-    deleted: list[Path] = []
-    for info, why in plan_retention(infos, keep_last=keep_last, keep_every=None):
-        if os.path.realpath(info.path) in keep:
-            continue
-        try:
-            _delete(root, info.path)
-        except CheckpointError as exc:
-            log.warning("%s", exc)
-            continue
-        deleted.append(info.path)
-        log.info("deleted %s: %s", info.path, why)
-        if events is not None:
-            events.emit("delete", step=info.step, path=str(info.path), reason=why, status=info.status)
-    return deleted
-
-
-def _delete(root: Path, path: Path) -> None:
-    """Delete one ``checkpoint-N`` directly inside ``root``; the sentinel goes in first."""
-    if parse_hf_step(path.name) is None or os.path.realpath(path.parent) != os.path.realpath(root):
-        raise CheckpointError(f"refusing to delete {path}: not a checkpoint-N directory of {root}")
-    try:
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
-            raise CheckpointError(f"refusing to delete {path}: not a real directory")
-    except FileNotFoundError:
-        return
-    try:
-        os.close(os.open(path / SENTINEL, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644))
-        shutil.rmtree(path)
-    except OSError as exc:
-        raise CheckpointError(f"could not delete checkpoint {path}: {exc}") from exc
+    deleted = retain_dirs(
+        root, [inspect(path) for _step, path in checkpoint_dirs(root)], keep_last=keep_last,
+        keep_every=None, spare=lambda info: os.path.realpath(info.path) in keep, parse=parse_hf_step,
+        emit=events.emit if events is not None else None,
+    )
+    return [info.path for info in deleted]
