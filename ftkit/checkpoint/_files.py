@@ -87,12 +87,14 @@ class HashingWriter:
     queued by reference; other buffers are copied when small, else ``write`` waits until
     their CRC is done. ``close`` flushes and fsyncs while the CRC catches up, then joins the
     thread; ``abort`` stops it without waiting.
-    A direct file that stages every byte (the saver's, :func:`._direct.set_bounce`) computes
-    the CRC itself instead, each piece right after copying it, while it is in the CPU cache.
+    A direct file that stages every byte (``bounce``, the saver's) computes the CRC itself
+    instead, each piece right after copying it, while it is in the CPU cache.
 
     ``direct``: write with ``O_DIRECT`` (:mod:`._direct`), True requires it, None uses it where
     the filesystem accepts it; :attr:`direct` says whether it is in use. Otherwise the file is
     written through the page cache, with ``writeback`` bounding how much of it a save occupies.
+    ``bounce``: a direct file stages every byte (:class:`._direct.DirectFile`), for sources in
+    4 KiB pages that may be scattered in physical memory.
     """
 
     def __init__(
@@ -102,11 +104,12 @@ class HashingWriter:
         stable: Iterable[tuple[int, int]] = (),
         writeback: bool = True,
         direct: bool | None = False,
+        bounce: bool = False,
     ) -> None:
         self.path = Path(path)
         self._f: Any = None
         if direct is not False:
-            self._f = open_direct(self.path, required=direct is True, crc=crc32)
+            self._f = open_direct(self.path, required=direct is True, bounce=bounce, crc=crc32)
         self.direct = self._f is not None
         self._staged_crc = self.direct and self._f.crc is not None  # the direct file checksums
         if self._f is None:

@@ -174,16 +174,12 @@ class Saver:
 
     def mapping(self, path: Path) -> Any:
         """The saver's :class:`~ftkit.checkpoint._shm.SlotMap` of segment ``path`` (kept across persists)."""
-        from ._direct import set_bounce
-        from ._shm import SlotMap, huge_pages
+        from ._shm import SlotMap
 
         with self._maps_lock:
             found = self._maps.get(path)
             if found is None:
                 found = self._maps[path] = SlotMap(path)
-                # 4 KiB tmpfs pages may be scattered: copy them through the writer's huge-page
-                # staging buffers (format.md, huge pages); a huge-page tmpfs is written as is
-                set_bounce(not huge_pages(Path(path).parent))
             return found
 
     def forget(self, path: Path | None) -> None:
