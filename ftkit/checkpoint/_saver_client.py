@@ -1,8 +1,9 @@
 """Trainer side of ``crash_safe``: snapshots in shared-memory slots, persisted by the node's saver.
 
-One saver process per node (``python -m`` :data:`._saver_args.SAVER_MODULE`): the node's first rank (the
-leader) starts it with ``subprocess.Popen`` and talks over its stdin/stdout; the node's other
-ranks connect to its Unix socket. A channel's end (or its trainer's death) tells the saver the
+One saver process per node (``python -m`` :data:`._saver_args.SAVER_MODULE`, its command line
+a :class:`._saver_args.SaverArgs`): the node's first rank (the leader) starts it with
+``subprocess.Popen`` and talks over its stdin/stdout; the node's other ranks connect to its
+Unix socket. A channel's end (or its trainer's death) tells the saver the
 trainer is gone, so it works under plain python, srun and torchrun without a custom launcher. A
 reader thread turns the saver's answers into ``done(seq, step, error, seconds)`` calls.
 
@@ -123,8 +124,7 @@ class ShmBackend:
             commit_timeout=async_config.commit_timeout, connect_timeout=self._timeout,
             events=Path(path) if path is not None else None,
         )
-        cmd = args.command()
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_saver_env())
+        self.proc = subprocess.Popen(args.command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_saver_env())
         assert self.proc.stdin is not None and self.proc.stdout is not None  # both are pipes
         return self.proc.stdin, self.proc.stdout
 

@@ -2,10 +2,9 @@
 
 A ``crash_safe`` saver (``python -m SAVER_MODULE``, its arguments read back from ``/proc`` with
 ``SaverArgs.from_cmdline``) may still be persisting the snapshot of a trainer that just died
-when the batch script goes on to ``ftkit requeue``. The
-requeue decision counts checkpoints, and the end of the batch script ends the batch step, whose
-processes SLURM then kills: so ``ftkit requeue`` first waits for the savers that write under the
-job directory.
+when the batch script goes on to ``ftkit requeue``. The requeue decision counts checkpoints,
+and the end of the batch script ends the batch step, whose processes SLURM then kills: so
+``ftkit requeue`` first waits for the savers that write under the job directory.
 """
 
 from __future__ import annotations
