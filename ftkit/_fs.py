@@ -1,9 +1,11 @@
-"""Small filesystem helpers: durable writes for the job-dir writers (request files, runs.json),
-and which mount holds a path."""
+"""Small filesystem helpers: durable writes (the one implementation, for the job-dir writers
+such as request files and runs.json, and for the checkpoint commit through
+:mod:`ftkit.checkpoint._files`), and which mount holds a path. No torch."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -16,37 +18,56 @@ log = logging.getLogger(__name__)
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """fsync a directory so a rename or create in it is durable (a no-op where refused)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
+    """Make a directory's entries (creations, renames, removals) durable.
+
+    A filesystem that refuses fsync on a directory (``EINVAL``, ``ENOTSUP``) is let be: there
+    is nothing more to do there. Any other error (``EIO``, a missing directory) is raised, since
+    the entry just written may then not survive a crash of the machine: the caller must not
+    report it durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on a directory
-        pass
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
     finally:
         os.close(fd)
 
 
-def atomic_write(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write ``data`` so ``path`` appears complete or not at all: a dot-temp sibling, fsync,
-    ``os.replace``, fsync of the directory."""
+def atomic_write(
+    path: str | os.PathLike[str],
+    data: bytes,
+    *,
+    sync: bool = True,
+    sync_dir: bool = True,
+    mode: int = 0o644,
+) -> Path:
+    """Write ``data`` so ``path`` appears complete or not at all: a temporary sibling
+    ``.NAME.tmp-PID``, fsync, ``os.replace`` over ``path``, fsync of the directory.
+
+    The temporary name is hidden (a dot) and does not end in the target's suffix (``*.json``
+    globs skip it); every leftover of one target starts with ``.NAME.tmp-`` (the pid last),
+    which is how a reader tells it from real content. On any failure the
+    temporary file is removed and the error raised; ``path`` is left as it was. ``sync=False``
+    skips both fsyncs (throwaway runs); ``sync_dir=False`` leaves the directory's fsync to a
+    caller that changes more entries there first and then fsyncs them all at once. ``mode``
+    (before the umask) is the new file's."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+        with os.fdopen(fd, "wb") as f:  # a buffered file writes all of ``data`` or raises
+            f.write(data)
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
-            tmp.unlink()
+            os.unlink(tmp)
         raise
-    fsync_dir(path.parent)
+    if sync and sync_dir:
+        fsync_dir(path.parent)
     return path
 
 

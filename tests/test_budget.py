@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from ftkit.decision import Action, RequestBox, Source
+from ftkit.decision import Action, Source
 from ftkit.errors import ConfigError, SlurmError
 from ftkit.slurm import env as slurm_env
 from ftkit.triggers.budget import BudgetConfig, TimeBudget
@@ -182,18 +182,6 @@ def test_slurm_failure_means_no_deadline_with_a_warning(monkeypatch, caplog):
         b = TimeBudget(BudgetConfig(), clock=Clock(0), environ={"SLURM_JOB_ID": "55"}).start()
     assert b.end_time is None and not b.due(10**10)
     assert "scontrol is missing" in caplog.text
-
-
-def test_poll_posts_once():
-    clock = Clock(END - 100)
-    b = budget(clock, margin=30, save_estimate=30)
-    box = RequestBox()
-    assert not b.poll(box)
-    clock.now = END - 59
-    assert b.poll(box)
-    assert not b.poll(box)
-    [req] = box.drain()
-    assert req.reason.startswith("time budget: 59 s left")
 
 
 def test_utc_iso_matches_unix():

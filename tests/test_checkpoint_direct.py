@@ -66,11 +66,10 @@ def _count_copies(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("bounce", [False, True], ids=["direct", "bounce"])
 def test_any_mix_of_writes_lands_byte_for_byte(tmp_path, monkeypatch, bounce):
-    """Random writes land byte for byte; with ``set_bounce`` every byte of a source large
+    """Random writes land byte for byte; with ``bounce`` every byte of a source large
     enough to have an address goes through the staging buffers (the saver's mode), and
     writes larger than a staging buffer hand full buffers to the helper thread. A bouncing
     file checksums every byte as it stages it; one that does not stage them all does not."""
-    monkeypatch.setattr(_direct, "_bounce", bounce)
     copies = _count_copies(monkeypatch)
     rng = random.Random(4)
     page = mmap.mmap(-1, 64 << 20)  # page-aligned source: slices of it are aligned or not at will
@@ -78,7 +77,7 @@ def test_any_mix_of_writes_lands_byte_for_byte(tmp_path, monkeypatch, bounce):
     addressed = 0
     for trial in range(12):
         path = tmp_path / f"f{trial}"
-        f = open_direct(path, required=True, crc=zlib.crc32)
+        f = open_direct(path, required=True, bounce=bounce, crc=zlib.crc32)
         assert f is not None
         assert fcntl.fcntl(f.fileno(), fcntl.F_GETFL) & os.O_DIRECT  # really direct
         expect = bytearray()
@@ -279,9 +278,8 @@ def test_enospc_on_a_full_filesystem_is_enospc(small_fs):
 def test_enospc_of_the_helper_threads_write_is_raised_by_the_next_write(small_fs, monkeypatch):
     """Bounced writes: the first full staging buffer is written by the helper thread, which
     meets ENOSPC; the caller's next hand-over raises it, and close frees everything."""
-    monkeypatch.setattr(_direct, "_bounce", True)
     buf = aligned_empty((8 << 20,), torch.uint8)
-    f = open_direct(small_fs / "big", required=True)
+    f = open_direct(small_fs / "big", required=True, bounce=True)
     assert isinstance(f, DirectFile)
     with pytest.raises(OSError) as err:
         for _ in range(6):  # 48 MiB: three hand-overs of 16 MiB
@@ -369,7 +367,7 @@ def test_huge_pages_is_read_from_the_mount_options(tmp_path, tmpfs):
 
 @pytest.mark.parametrize("huge", [False, True], ids=["bounced", "huge-tmpfs"])
 def test_crash_safe_saves_from_either_kind_of_tmpfs_resume_exactly(tmp_path, tmpfs, huge):
-    """The saver writes a tmpfs without huge pages through its staging buffers (set_bounce)
+    """The saver writes a tmpfs without huge pages through its staging buffers (bounce)
     and one with huge pages from the segment itself; both give the same exact checkpoint."""
     shm = tmpfs("shm", "size=256m" + (",huge=within_size" if huge else ""))
     torch.manual_seed(3)

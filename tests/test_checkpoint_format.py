@@ -139,7 +139,6 @@ def test_writer_crc_matches_random_write_sequence(tmp_path, monkeypatch, stable,
     """The CRC thread checksums the written buffers; a direct file that stages every byte
     (the saver's) checksums them itself, and nothing goes to the CRC thread."""
     if bounce:
-        monkeypatch.setattr(_direct, "_bounce", True)
         monkeypatch.setattr(_CrcThread, "put", lambda *a: pytest.fail("queued to the CRC thread"))
     rng = random.Random(1)
     bufs = [
@@ -147,7 +146,7 @@ def test_writer_crc_matches_random_write_sequence(tmp_path, monkeypatch, stable,
         for _ in range(30)
     ]
     addresses = [(torch.frombuffer(b, dtype=torch.uint8).data_ptr(), len(b)) for b in bufs if b]
-    w = HashingWriter(tmp_path / "f", stable=addresses if stable else (), direct=bounce)
+    w = HashingWriter(tmp_path / "f", stable=addresses if stable else (), direct=bounce, bounce=bounce)
     for b in bufs:
         assert w.write(b) == len(b)
         assert w.tell() == w.size

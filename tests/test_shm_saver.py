@@ -33,6 +33,8 @@ def _alive(pid: int) -> bool:
 
 
 def _savers_of(trainer_pid: int) -> list[int]:
+    from ftkit.checkpoint._saver_args import SAVER_MODULE
+
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -41,7 +43,7 @@ def _savers_of(trainer_pid: int) -> list[int]:
             cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"ftkit.checkpoint._saver" in cmd and str(trainer_pid).encode() in cmd and _alive(int(entry)):
+        if SAVER_MODULE.encode() in cmd and str(trainer_pid).encode() in cmd and _alive(int(entry)):
             out.append(int(entry))
     return out
 

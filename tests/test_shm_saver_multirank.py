@@ -310,6 +310,8 @@ def _setup():
 
 
 def _saver_children() -> int:
+    from ftkit.checkpoint._saver_args import SAVER_MODULE
+
     me = str(os.getpid())
     count = 0
     for entry in os.listdir("/proc"):
@@ -318,7 +320,7 @@ def _saver_children() -> int:
             cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
         except (OSError, ValueError):
             continue
-        if stat[1] == me and b"ftkit.checkpoint._saver" in cmd:
+        if stat[1] == me and SAVER_MODULE.encode() in cmd:
             count += 1
     return count
 

@@ -13,8 +13,6 @@ from ftkit.slurm.env import (
     SlurmEnv,
     job_end_time,
     job_info,
-    job_reason,
-    job_state,
     parse_job_line,
     run_scontrol,
 )
@@ -90,13 +88,6 @@ def test_job_end_time_is_local_time():
 
 def test_job_end_time_unknown_is_none():
     assert job_end_time("4243", runner=runner_for(PENDING)) is None
-
-
-def test_state_and_reason():
-    assert job_state("4242", runner=runner_for(RUNNING)) == "RUNNING"
-    assert job_reason("4242", runner=runner_for(RUNNING)) is None
-    assert job_state("4243", runner=runner_for(PENDING)) == "PENDING"
-    assert job_reason("4243", runner=runner_for(PENDING)) == "launch failed requeued held"
 
 
 def test_array_master_id_picks_its_own_line():
@@ -175,7 +166,7 @@ def test_failing_scontrol_reports_command_and_stderr(monkeypatch):
         SlurmError,
         match=r"`scontrol show job -o 99` failed \(exit 1\): slurm_load_jobs error: Invalid job id",
     ):
-        job_state(99)
+        job_info(99)
 
 
 def test_scontrol_timeout_is_a_slurm_error(monkeypatch):

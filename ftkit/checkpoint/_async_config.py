@@ -90,9 +90,6 @@ class AsyncConfig:
             return None
         return self.memory_every * self.persist_every
 
-    def memory_due(self, step: int) -> bool:
-        return self.memory_every is not None and step % self.memory_every == 0
-
     def persist_due(self, step: int) -> bool:
         period = self.persist_period
         return period is not None and step % period == 0

@@ -102,10 +102,6 @@ def snapshot_sharded(state: Mapping[str, Any], keys: frozenset[str]) -> tuple[di
     return sd, nbytes
 
 
-def _group_rank(pg) -> int:
-    return dist.get_rank(pg)
-
-
 def save_sharded(
     sharded: dict[str, Any], directory: Path, *, pg=None, sync: bool = True
 ) -> dict[str, dict[str, Any]]:
@@ -115,7 +111,7 @@ def save_sharded(
     dcp.save(sharded, storage_writer=writer, process_group=pg)
     if sync:  # the files' entries in dcp/ (DCP fsyncs the files themselves)
         fsync_dir(target)
-    rank = _group_rank(pg)
+    rank = dist.get_rank(pg)
     prefix = f"__{rank}_"
     files: dict[str, dict[str, Any]] = {}
     for entry in sorted(os.listdir(target)):

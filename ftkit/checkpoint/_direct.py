@@ -64,7 +64,6 @@ __all__ = [
     "open_direct",
     "open_direct_read",
     "read_buffer",
-    "set_bounce",
 ]
 
 log = logging.getLogger(__name__)
@@ -79,7 +78,6 @@ _PIECE = 256 << 10  # a staged copy is checksummed in pieces this large, while t
 _pool: list[tuple[mmap.mmap, int]] = []
 _pool_lock = threading.Lock()
 _refused: dict[int, str] = {}  # st_dev -> why that filesystem refused O_DIRECT
-_bounce = False  # stage every byte (set_bounce): for sources in scattered small pages
 
 
 def address(view: memoryview) -> int | None:
@@ -141,18 +139,6 @@ def aligned_like(t: Any) -> Any:
     return aligned_empty(tuple(t.shape), t.dtype)
 
 
-def set_bounce(on: bool) -> None:
-    """Stage every byte this process writes through :class:`DirectFile` (True), or send
-    page-aligned sources to the disk from where they are (False, the default).
-
-    For a process whose sources lie in 4 KiB pages that may be scattered in physical memory
-    (the saver, writing from ``/dev/shm`` segments without huge pages): copying them into the
-    huge-page staging buffers while the other buffer is being written runs at the disk's speed
-    for contiguous memory, at the cost of one copy of the bytes on the CPU."""
-    global _bounce
-    _bounce = bool(on)
-
-
 def _take_stage() -> tuple[mmap.mmap, int]:
     with _pool_lock:
         if _pool:
@@ -166,12 +152,15 @@ def _give_stage(stage: tuple[mmap.mmap, int]) -> None:
             _pool.append(stage)
 
 
-def open_direct(path: Path, *, required: bool, crc: Callable[[Any, int], int] | None = None) -> DirectFile | None:
+def open_direct(path: Path, *, required: bool, bounce: bool = False,
+                crc: Callable[[Any, int], int] | None = None) -> DirectFile | None:
     """Create ``path`` (exclusively) for direct writes; None if its filesystem refuses O_DIRECT
     and ``required`` is false (logged once per filesystem), else :class:`CheckpointError`.
 
-    ``crc`` (``crc(data, value) -> value``, e.g. ``zlib.crc32``): if the file stages every byte
-    (:func:`set_bounce`), it checksums them as it stages them (:attr:`DirectFile.crc`)."""
+    ``bounce``: stage every byte instead of sending page-aligned sources to the disk from
+    where they are (see :class:`DirectFile`). ``crc`` (``crc(data, value) -> value``, e.g.
+    ``zlib.crc32``): a bouncing file checksums the bytes as it stages them
+    (:attr:`DirectFile.crc`)."""
     flag = _direct_flag(path, required=required, doing="writing")
     if flag is None:
         return None
@@ -185,7 +174,7 @@ def open_direct(path: Path, *, required: bool, crc: Callable[[Any, int], int] | 
             os.unlink(path)
         _refusal(exc, path, required=required, done="written")
         return None
-    return DirectFile(fd, path, bounce=_bounce, crc=crc)
+    return DirectFile(fd, path, bounce=bounce, crc=crc)
 
 
 class _Stage:
@@ -211,7 +200,11 @@ class DirectFile:
     the caller's memory waits for it first. An error of the helper's write is raised by the
     next ``write`` or ``close``.
 
-    ``bounce``: stage every byte (:func:`set_bounce`). Then ``crc``, if given, checksums every
+    ``bounce``: stage every byte, also page-aligned sources. For a writer whose sources lie in
+    4 KiB pages that may be scattered in physical memory (the saver, writing from ``/dev/shm``
+    segments without huge pages): copying them into the huge-page staging buffers while the
+    other buffer is being written runs at the disk's speed for contiguous memory, at the cost
+    of one copy of the bytes on the CPU. Then ``crc``, if given, checksums every
     byte right after it is copied, in pieces of :data:`_PIECE` that are still in the CPU
     cache, so the source is read once (for the copy) instead of twice (copy, then checksum);
     :attr:`crc` is the running value (None when the file does not checksum).

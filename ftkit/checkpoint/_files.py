@@ -1,5 +1,8 @@
 """Durable file primitives: fsync, atomic replace, a file wrapper that checksums as it writes.
 
+``fsync_dir`` and the atomic replace are :mod:`ftkit._fs`'s (one implementation for the
+checkpoints and the job-dir writers), re-exported here for the checkpoint modules.
+
 The checksum is CRC-32 (zlib's polynomial, stored as 8 lowercase hex digits). It catches
 truncation, torn writes and flipped bits; it is not a defence against deliberate tampering.
 It is computed with ``zlib_ng.crc32`` (the ``zlib-ng`` package, a dependency: carry-less
@@ -12,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import errno
 import os
 import queue
 import threading
@@ -20,6 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from .._fs import atomic_write, fsync_dir
 from ._direct import address, open_direct
 
 try:  # the same CRC-32 as zlib's, about 5x faster; releases the GIL like zlib.crc32
@@ -47,18 +50,6 @@ _CHUNK = 4 << 20
 _COPY_MAX = 256 << 10  # HashingWriter copies buffers up to this size for its CRC thread
 _WRITEBACK_EVERY = 64 << 20  # HashingWriter starts the kernel's writeback this often
 _WRITEBACK_DROP = 2 * _WRITEBACK_EVERY  # ...and evicts written-back pages this far behind
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """Make a directory's entries (creations, renames, removals) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError as exc:  # some filesystems refuse fsync on directories
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:
@@ -96,12 +87,14 @@ class HashingWriter:
     queued by reference; other buffers are copied when small, else ``write`` waits until
     their CRC is done. ``close`` flushes and fsyncs while the CRC catches up, then joins the
     thread; ``abort`` stops it without waiting.
-    A direct file that stages every byte (the saver's, :func:`._direct.set_bounce`) computes
-    the CRC itself instead, each piece right after copying it, while it is in the CPU cache.
+    A direct file that stages every byte (``bounce``, the saver's) computes the CRC itself
+    instead, each piece right after copying it, while it is in the CPU cache.
 
     ``direct``: write with ``O_DIRECT`` (:mod:`._direct`), True requires it, None uses it where
     the filesystem accepts it; :attr:`direct` says whether it is in use. Otherwise the file is
     written through the page cache, with ``writeback`` bounding how much of it a save occupies.
+    ``bounce``: a direct file stages every byte (:class:`._direct.DirectFile`), for sources in
+    4 KiB pages that may be scattered in physical memory.
     """
 
     def __init__(
@@ -111,11 +104,12 @@ class HashingWriter:
         stable: Iterable[tuple[int, int]] = (),
         writeback: bool = True,
         direct: bool | None = False,
+        bounce: bool = False,
     ) -> None:
         self.path = Path(path)
         self._f: Any = None
         if direct is not False:
-            self._f = open_direct(self.path, required=direct is True, crc=crc32)
+            self._f = open_direct(self.path, required=direct is True, bounce=bounce, crc=crc32)
         self.direct = self._f is not None
         self._staged_crc = self.direct and self._f.crc is not None  # the direct file checksums
         if self._f is None:
@@ -294,21 +288,7 @@ class _CrcThread:
 def atomic_write_bytes(
     path: str | os.PathLike[str], data: bytes, *, sync: bool = True, sync_dir: bool = True
 ) -> None:
-    """Write ``data`` to a temporary sibling, fsync, then ``os.replace`` it over ``path`` and
-    fsync the directory. ``sync_dir=False`` leaves the directory's fsync to a caller that
-    changes more entries there first and then fsyncs them all at once."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    if sync and sync_dir:
-        fsync_dir(path.parent)
+    """:func:`ftkit._fs.atomic_write` for a checkpoint's own files (manifest, ``latest``, a
+    rank's part): created with the mode every other checkpoint file gets (``0o666`` before the
+    umask, as ``torch.save`` creates the state files)."""
+    atomic_write(path, data, sync=sync, sync_dir=sync_dir, mode=0o666)

@@ -6,6 +6,9 @@ Started by the node's first rank (the *leader*, ``ShmBackend`` in ``_saver_clien
     python -m ftkit.checkpoint._saver --config JSON --trainer-pid PID --ranks R,R,...
         [--world-size W --run-id ID --socket PATH --commit-timeout S --events FILE]
 
+(:class:`._saver_args.SaverArgs` builds and parses these; ``--config`` is every
+``CheckpointConfig`` field.)
+
 Channels. The leader talks over the saver's stdin and (original) stdout; every other rank of the
 node connects to the Unix socket ``PATH`` (mode 0600, the peer's uid is checked) and first says
 ``{"op": "hello", "rank": r, "pid": p}``. On each channel, one JSON command per line:
@@ -45,7 +48,6 @@ trainers decide, the saver follows its channels), so only kill -9 stops it early
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -61,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from .._proc import proc_start
+from ._saver_args import SaverArgs
 
 log = logging.getLogger("ftkit.checkpoint.saver")
 
@@ -171,16 +174,12 @@ class Saver:
 
     def mapping(self, path: Path) -> Any:
         """The saver's :class:`~ftkit.checkpoint._shm.SlotMap` of segment ``path`` (kept across persists)."""
-        from ._direct import set_bounce
-        from ._shm import SlotMap, huge_pages
+        from ._shm import SlotMap
 
         with self._maps_lock:
             found = self._maps.get(path)
             if found is None:
                 found = self._maps[path] = SlotMap(path)
-                # 4 KiB tmpfs pages may be scattered: copy them through the writer's huge-page
-                # staging buffers (format.md, huge pages); a huge-page tmpfs is written as is
-                set_bounce(not huge_pages(Path(path).parent))
             return found
 
     def forget(self, path: Path | None) -> None:
@@ -375,29 +374,18 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(2, 1)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
-    ap = argparse.ArgumentParser(prog="python -m ftkit.checkpoint._saver")
-    ap.add_argument("--config", required=True, help="CheckpointConfig fields as JSON")
-    ap.add_argument("--trainer-pid", type=int, required=True, help="the leader's pid")
-    ap.add_argument("--ranks", default="0", help="this node's ranks, the leader's first")
-    ap.add_argument("--world-size", type=int, default=1)
-    ap.add_argument("--run-id", help="several ranks: the id the ranks agreed on")
-    ap.add_argument("--socket", type=Path, help="where the other ranks of this node connect")
-    ap.add_argument("--commit-timeout", type=float, default=600.0)
-    ap.add_argument("--connect-timeout", type=float, default=120.0)
-    ap.add_argument("--events")
-    args = ap.parse_args(argv)
+    args = SaverArgs.from_argv(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="ftkit-saver[%(process)d] %(levelname)s %(message)s")
-    ranks = [int(r) for r in args.ranks.split(",")]
+    ranks = list(args.ranks)
     listener = _listen(args.socket) if args.socket is not None else None  # before the slow imports
 
-    from ._config import CheckpointConfig
     from ._manager import Checkpointer
 
-    config = CheckpointConfig(**json.loads(args.config))
+    config = args.config
     persisters: dict[int, Any] = {}
     for rank in ranks:
         events = None
-        if args.events:
+        if args.events is not None:
             from ..events import EventLog
 
             events = EventLog(args.events, rank=rank)

@@ -1,8 +1,9 @@
 """Trainer side of ``crash_safe``: snapshots in shared-memory slots, persisted by the node's saver.
 
-One saver process per node (``python -m ftkit.checkpoint._saver``): the node's first rank (the
-leader) starts it with ``subprocess.Popen`` and talks over its stdin/stdout; the node's other
-ranks connect to its Unix socket. A channel's end (or its trainer's death) tells the saver the
+One saver process per node (``python -m`` :data:`._saver_args.SAVER_MODULE`, its command line
+a :class:`._saver_args.SaverArgs`): the node's first rank (the leader) starts it with
+``subprocess.Popen`` and talks over its stdin/stdout; the node's other ranks connect to its
+Unix socket. A channel's end (or its trainer's death) tells the saver the
 trainer is gone, so it works under plain python, srun and torchrun without a custom launcher. A
 reader thread turns the saver's answers into ``done(seq, step, error, seconds)`` calls.
 
@@ -22,7 +23,6 @@ import pickle
 import secrets
 import socket
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +33,7 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from ._async_buffers import Copier, layout_of, wait_events
+from ._saver_args import SaverArgs
 from ._shm import PREFIX, Segment
 
 __all__ = ["NodePlan", "ShmBackend"]
@@ -115,22 +116,15 @@ class ShmBackend:
         self._reader.start()
 
     def _start(self, config: Any, async_config: Any, events: Any, sock_path: Path) -> tuple[IO[bytes], IO[bytes]]:
-        fields = {"root": str(config.root), "keep_last": config.keep_last, "keep_every": config.keep_every,
-                  "fsync": config.fsync, "verify_on_load": config.verify_on_load,
-                  "direct_io": config.direct_io}
         node = self.node
-        cmd = [sys.executable, "-m", "ftkit.checkpoint._saver", "--config", json.dumps(fields),
-               "--trainer-pid", str(os.getpid()), "--ranks", ",".join(map(str, node.ranks)),
-               "--world-size", str(node.world_size), "--commit-timeout", str(async_config.commit_timeout),
-               "--connect-timeout", str(self._timeout)]
-        if node.run_id is not None:
-            cmd += ["--run-id", node.run_id]
-        if len(node.ranks) > 1:
-            cmd += ["--socket", str(sock_path)]
         path = getattr(events, "path", None)
-        if path is not None:
-            cmd += ["--events", str(path)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_saver_env())
+        args = SaverArgs(
+            config=config, trainer_pid=os.getpid(), ranks=node.ranks, world_size=node.world_size,
+            run_id=node.run_id, socket=sock_path if len(node.ranks) > 1 else None,
+            commit_timeout=async_config.commit_timeout, connect_timeout=self._timeout,
+            events=Path(path) if path is not None else None,
+        )
+        self.proc = subprocess.Popen(args.command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_saver_env())
         assert self.proc.stdin is not None and self.proc.stdout is not None  # both are pipes
         return self.proc.stdin, self.proc.stdout
 

@@ -63,8 +63,8 @@ _ALIGN = 64
 def huge_pages(directory: str | os.PathLike[str]) -> bool:
     """Whether files created in ``directory`` get huge pages when their space is reserved: a
     tmpfs mounted with ``huge=always`` or ``huge=within_size``. ``/dev/shm`` is mounted without
-    by default; then the saver bounces its writes (:func:`._direct.set_bounce`): segment pages
-    may be scattered in physical memory."""
+    by default; then the saver bounces its writes (``bounce`` of :class:`._direct.DirectFile`):
+    segment pages may be scattered in physical memory."""
     mount = mount_of(directory)
     return (mount is not None and mount.fstype == "tmpfs"
             and bool({"huge=always", "huge=within_size"} & set(mount.options)))

@@ -124,14 +124,17 @@ def write_state_file(
     sync: bool = True,
     progress: WriteProgress | None = None,
     direct: bool | None = None,
+    bounce: bool = False,
 ) -> dict[str, Any]:
     """``torch.save`` ``obj`` to ``directory/name``; return its manifest entry (size, crc32).
 
     ``direct``: write with O_DIRECT (``checkpoint.direct_io``: None where the filesystem
-    accepts it, True required, False never)."""
+    accepts it, True required, False never). ``bounce``: a direct write stages every byte
+    (the crash-safe saver's, whose tensors lie in tmpfs pages; :class:`._direct.DirectFile`)."""
     payload = {"format": FILE_FORMAT, "version": 1, **obj}
     # the snapshot's tensors outlive the save: the CRC thread may read them after write returns
-    writer = HashingWriter(directory / name, stable=_storage_ranges(payload), writeback=sync, direct=direct)
+    writer = HashingWriter(directory / name, stable=_storage_ranges(payload), writeback=sync, direct=direct,
+                           bounce=bounce)
     if progress is not None:
         progress.writer = writer
     try:

@@ -20,8 +20,6 @@ __all__ = [
     "SlurmEnv",
     "job_end_time",
     "job_info",
-    "job_reason",
-    "job_state",
     "parse_job_line",
     "run_scontrol",
 ]
@@ -176,14 +174,3 @@ def job_end_time(job_id: str | int, *, runner: Runner | None = None) -> float | 
         return datetime.strptime(value, "%Y-%m-%dT%H:%M:%S").timestamp()
     except ValueError:
         raise SlurmError(f"job {job_id}: cannot parse EndTime={value!r}") from None
-
-
-def job_state(job_id: str | int, *, runner: Runner | None = None) -> str:
-    """JobState, e.g. ``RUNNING``, ``PENDING``, ``PREEMPTED``, ``TIMEOUT``."""
-    return _field(job_info(job_id, runner=runner), "JobState", job_id)
-
-
-def job_reason(job_id: str | int, *, runner: Runner | None = None) -> str | None:
-    """Reason (why pending or how it ended); None when SLURM gives none."""
-    value = job_info(job_id, runner=runner).get("Reason")
-    return None if value is None or value.lower() in ("none", "(null)", "") else value

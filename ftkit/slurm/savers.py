@@ -1,15 +1,14 @@
 """Checkpoint saver processes of a job on this node: find them, wait for them. No torch.
 
-A ``crash_safe`` saver (``python -m ftkit.checkpoint._saver``) may still be persisting the
-snapshot of a trainer that just died when the batch script goes on to ``ftkit requeue``. The
-requeue decision counts checkpoints, and the end of the batch script ends the batch step, whose
-processes SLURM then kills: so ``ftkit requeue`` first waits for the savers that write under the
-job directory.
+A ``crash_safe`` saver (``python -m SAVER_MODULE``, its arguments read back from ``/proc`` with
+``SaverArgs.from_cmdline``) may still be persisting the snapshot of a trainer that just died
+when the batch script goes on to ``ftkit requeue``. The requeue decision counts checkpoints,
+and the end of the batch script ends the batch step, whose processes SLURM then kills: so
+``ftkit requeue`` first waits for the savers that write under the job directory.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -17,12 +16,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .._proc import proc_start
+from ..checkpoint._saver_args import SaverArgs
 
 __all__ = ["find_savers", "wait_for_savers"]
 
 log = logging.getLogger(__name__)
-
-_MODULE = b"ftkit.checkpoint._saver"
 
 
 def _saver_root(pid: int) -> Path | None:
@@ -30,16 +28,12 @@ def _saver_root(pid: int) -> Path | None:
     try:
         if os.stat(f"/proc/{pid}").st_uid != os.geteuid():
             return None
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        args = SaverArgs.from_cmdline(Path(f"/proc/{pid}/cmdline").read_bytes())
     except OSError:
         return None
-    if _MODULE not in argv or b"--config" not in argv or proc_start(pid) is None:
+    if args is None or proc_start(pid) is None:
         return None
-    try:
-        config = json.loads(argv[argv.index(b"--config") + 1])
-        return Path(config["root"]).resolve()
-    except (IndexError, ValueError, KeyError, TypeError):
-        return None
+    return args.config.root.resolve()
 
 
 def find_savers(jobdir: str | os.PathLike[str]) -> list[int]:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
-from ..decision import Action, Request, RequestBox, Source
+from ..decision import Action, Request, Source
 from ..errors import ConfigError, SlurmError
 
 __all__ = ["BudgetConfig", "TimeBudget", "parse_deadline"]
@@ -243,10 +243,3 @@ class TimeBudget:
             ),
             requeue=True,
         )
-
-    def poll(self, box: RequestBox, now: float | None = None) -> bool:
-        """Post :meth:`request` to ``box`` if :meth:`due`; returns whether it did."""
-        if not self.due(now):
-            return False
-        box.post(self.request(now))
-        return True

@@ -1,0 +1,57 @@
+"""The one durable-write helper (``ftkit._fs``), shared by the job-dir writers and the checkpoints."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import pytest
+
+from ftkit import _fs
+from ftkit.checkpoint import _files
+
+
+def test_a_full_disk_leaves_the_old_file_and_no_temporary(small_fs):
+    """ENOSPC halfway: the target keeps its old content, and no temporary file is left behind
+    (a job dir's requests/ or a step directory would otherwise collect them)."""
+    target = small_fs / "runs.json"
+    _fs.atomic_write(target, b"old\n")
+    with pytest.raises(OSError) as err:
+        _fs.atomic_write(target, b"x" * (4 << 20))  # twice the filesystem
+    assert err.value.errno == errno.ENOSPC
+    assert target.read_bytes() == b"old\n"
+    assert sorted(os.listdir(small_fs)) == ["runs.json"]
+
+
+def test_both_names_write_through_the_same_temporary_and_keep_their_modes(tmp_path, monkeypatch):
+    """``_files.atomic_write_bytes`` (checkpoint files, 0o666 before the umask like torch.save's)
+    and ``_fs.atomic_write`` (job-dir files, 0o644) are one implementation: same ``.NAME.tmp-PID``
+    temporary, renamed over the target."""
+    old = os.umask(0o002)
+    renamed = []
+    real_replace = os.replace
+
+    def record(src, dst):
+        renamed.append((os.path.basename(src), os.path.basename(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", record)
+    try:
+        _fs.atomic_write(tmp_path / "lease", b"a")
+        _files.atomic_write_bytes(tmp_path / "manifest.json", b"b")
+    finally:
+        os.umask(old)
+    pid = os.getpid()
+    assert renamed == [(f".lease.tmp-{pid}", "lease"), (f".manifest.json.tmp-{pid}", "manifest.json")]
+    assert stat.S_IMODE(os.stat(tmp_path / "lease").st_mode) == 0o644
+    assert stat.S_IMODE(os.stat(tmp_path / "manifest.json").st_mode) == 0o664
+    assert (tmp_path / "lease").read_bytes() == b"a" and (tmp_path / "manifest.json").read_bytes() == b"b"
+    assert _files.fsync_dir is _fs.fsync_dir
+
+
+def test_fsync_dir_raises_for_a_missing_directory(tmp_path):
+    """A directory that cannot be fsynced for a reason other than the filesystem refusing it is
+    an error: the entry just renamed there is not known to be durable."""
+    with pytest.raises(FileNotFoundError):
+        _fs.fsync_dir(tmp_path / "gone")
