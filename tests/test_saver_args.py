@@ -41,7 +41,7 @@ def test_every_checkpoint_config_field_survives_the_saver_command_line():
         assert getattr(config, name) != getattr(default, name), name
     args = SaverArgs(config=config, trainer_pid=4242, ranks=(2, 3), world_size=8, run_id="abc123",
                      socket=Path("/dev/shm/ftkit-saver-1.sock"), commit_timeout=7.5, connect_timeout=30.0,
-                     events=Path("/jobs/j/events.jsonl"))
+                     events=Path("/jobs/j/events.jsonl"), shm_dir=Path("/mnt/huge-shm"))
     back = SaverArgs.from_argv(args.to_argv())
     for name in fields:
         assert getattr(back.config, name) == getattr(config, name), name

@@ -249,7 +249,7 @@ class RankCommit:
         files = {
             name: write_state_file(
                 path, name, {**snapshot.local, **meta}, sync=sync, progress=progress,
-                direct=self.ckpt.config.direct_io,
+                direct=self.ckpt.config.direct_io, bounce=self.ckpt.bounce,
             )
         }
         sharded = snapshot.sharded

@@ -68,8 +68,12 @@ class Checkpointer:
         world_size: int = 1,
         process_group: Any = None,
         clock: Callable[[], float] = time.time,
+        bounce: bool = False,
     ) -> None:
         self.config = config
+        self.bounce = bounce
+        """Direct writes stage every byte (``write_state_file(bounce=)``): the crash-safe saver's,
+        whose snapshots lie in tmpfs pages that may be scattered in physical memory."""
         self.events = events
         self.rank = rank
         self.world_size = world_size
@@ -146,7 +150,7 @@ class Checkpointer:
         try:
             files[name] = write_state_file(
                 path, name, {**snapshot.local, **meta}, sync=self.config.fsync, progress=progress,
-                direct=self.config.direct_io,
+                direct=self.config.direct_io, bounce=self.bounce,
             )
         except OSError as exc:
             if not self.comm.distributed:

@@ -380,8 +380,12 @@ def main(argv: list[str] | None = None) -> int:
     listener = _listen(args.socket) if args.socket is not None else None  # before the slow imports
 
     from ._manager import Checkpointer
+    from ._shm import huge_pages
 
     config = args.config
+    # 4 KiB tmpfs pages may be scattered: copy them through the writer's huge-page staging
+    # buffers (format.md, huge pages); a huge-page tmpfs is written as is
+    bounce = not huge_pages(args.shm_dir)
     persisters: dict[int, Any] = {}
     for rank in ranks:
         events = None
@@ -389,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             from ..events import EventLog
 
             events = EventLog(args.events, rank=rank)
-        ckpt = Checkpointer(config, events=events, rank=rank, world_size=args.world_size)
+        ckpt = Checkpointer(config, events=events, rank=rank, world_size=args.world_size, bounce=bounce)
         if args.world_size > 1:
             from ._async_commit import RankCommit
 

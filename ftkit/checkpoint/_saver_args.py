@@ -52,6 +52,7 @@ def _parser(cls: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> arg
     ap.add_argument("--commit-timeout", type=float, default=600.0)
     ap.add_argument("--connect-timeout", type=float, default=120.0)
     ap.add_argument("--events", type=Path, help="the job's event log")
+    ap.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"), help="where the segments live")
     return ap
 
 
@@ -86,6 +87,9 @@ class SaverArgs:
     events: Path | None = None
     """The job's event log, if any: the saver's saves are logged there as the trainer's."""
 
+    shm_dir: Path = Path("/dev/shm")
+    """``checkpoint.async.shm_dir``: where the segments live (its mount decides ``bounce``)."""
+
     def to_argv(self) -> list[str]:
         """The arguments after ``python -m SAVER_MODULE``."""
         argv = ["--config", _config_json(self.config), "--trainer-pid", str(self.trainer_pid),
@@ -98,7 +102,7 @@ class SaverArgs:
             argv += ["--socket", os.fspath(self.socket)]
         if self.events is not None:
             argv += ["--events", os.fspath(self.events)]
-        return argv
+        return [*argv, "--shm-dir", os.fspath(self.shm_dir)]
 
     def command(self) -> list[str]:
         """The whole command line that starts the saver with this interpreter."""
@@ -138,4 +142,5 @@ class SaverArgs:
             commit_timeout=ns.commit_timeout,
             connect_timeout=ns.connect_timeout,
             events=ns.events,
+            shm_dir=ns.shm_dir,
         )

@@ -122,7 +122,7 @@ class ShmBackend:
             config=config, trainer_pid=os.getpid(), ranks=node.ranks, world_size=node.world_size,
             run_id=node.run_id, socket=sock_path if len(node.ranks) > 1 else None,
             commit_timeout=async_config.commit_timeout, connect_timeout=self._timeout,
-            events=Path(path) if path is not None else None,
+            events=Path(path) if path is not None else None, shm_dir=self._dir,
         )
         self.proc = subprocess.Popen(args.command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_saver_env())
         assert self.proc.stdin is not None and self.proc.stdout is not None  # both are pipes
