@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.module is None and not ns.target:
         ap.error("give the training script to run")
 
-    from .env import config_from_env
+    from ..envvars import config_from_env
     from .hf import patch_trainer
 
     if ns.jobdir:

@@ -38,6 +38,7 @@ from transformers import TrainerCallback
 
 from ..control.controller import Config, FaultTolerance
 from ..decision import Decision
+from ..envvars import config_from_env, jobdir_from_env
 from ..errors import CheckpointError
 from ._hf_checkpoints import (
     PREFIX,
@@ -48,7 +49,6 @@ from ._hf_checkpoints import (
     parse_hf_step,
     retain,
 )
-from .env import config_from_env, jobdir_from_env
 
 __all__ = ["FtkitCallback", "Run", "latest_valid_checkpoint", "patch_trainer", "train", "unpatch_trainer"]
 
@@ -61,11 +61,6 @@ def _dist() -> Any:
     if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
         return None
     return dist
-
-
-def _record_save(ft: FaultTolerance, step: int, seconds: float, decision: Decision | None) -> None:
-    """Tell the controller a checkpoint became durable outside ``ft.save`` (Trainer wrote it)."""
-    ft.saved(step, seconds=seconds, decision=decision)
 
 
 class FtkitCallback(TrainerCallback):
@@ -243,7 +238,7 @@ class FtkitCallback(TrainerCallback):
                        events=ft.events)
         if dist is not None:
             dist.barrier()  # the manifest is durable before any rank acts on it (exit, requeue)
-        _record_save(ft, step, time.monotonic() - self._began, decision)
+        ft.saved(step, seconds=time.monotonic() - self._began, decision=decision)  # Trainer wrote it
 
 
 # -- one call: resume + callback + close --------------------------------------------------
@@ -344,9 +339,6 @@ def train(
 
 # -- no script change: patch Trainer.train ------------------------------------------------
 
-_ORIGINAL_TRAIN: Callable[..., Any] | None = None
-
-
 def patch_trainer(*, jobdir: str | os.PathLike[str] | None = None, config: Config | None = None,
                   exit_on_stop: bool = True) -> None:
     """Make every ``transformers.Trainer.train()`` in this process run under ftkit.
@@ -357,10 +349,9 @@ def patch_trainer(*, jobdir: str | os.PathLike[str] | None = None, config: Confi
     script's post-training code (final save, evaluation, upload) does not run on a job that
     is being preempted. Idempotent; :func:`unpatch_trainer` undoes it.
     """
-    global _ORIGINAL_TRAIN
     import transformers
 
-    if _ORIGINAL_TRAIN is not None:
+    if _patched(transformers.Trainer.train):
         return
     original = transformers.Trainer.train
 
@@ -375,19 +366,22 @@ def patch_trainer(*, jobdir: str | os.PathLike[str] | None = None, config: Confi
             raise SystemExit(0)
         return run.output
 
-    _ORIGINAL_TRAIN = original
+    train_under_ftkit._ftkit_patch = True  # type: ignore[attr-defined]
     transformers.Trainer.train = train_under_ftkit  # type: ignore[method-assign]
 
 
 def unpatch_trainer() -> None:
     """Restore ``transformers.Trainer.train``."""
-    global _ORIGINAL_TRAIN
-    if _ORIGINAL_TRAIN is None:
-        return
     import transformers
 
-    transformers.Trainer.train = _ORIGINAL_TRAIN  # type: ignore[method-assign]
-    _ORIGINAL_TRAIN = None
+    if _patched(transformers.Trainer.train):
+        transformers.Trainer.train = transformers.Trainer.train.__wrapped__  # type: ignore[method-assign]
+
+
+def _patched(train: Callable[..., Any]) -> bool:
+    """The patch is recorded on the patched function itself (its ``__wrapped__`` is the original),
+    not in a module-level variable: what is installed is the only truth."""
+    return getattr(train, "_ftkit_patch", False)
 
 
 if __name__ == "__main__":
