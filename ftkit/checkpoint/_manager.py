@@ -35,6 +35,7 @@ from ._layout import DCP_DIR, LATEST, PIN, SENTINEL, list_step_dirs, rank_file, 
 from ._load import check_missing, describe_rule, is_dcp, match_keys
 from ._manifest import build_manifest, validate_dir, verify_files, verify_share, write_manifest
 from ._pins import pin_checkpoint, unpin_checkpoint
+from ._protocol import CheckpointManager
 from ._retention import delete_checkpoint, plan_retention
 from ._single import WriteProgress, read_state_file, read_state_into, write_state_file
 from ._state import (
@@ -52,7 +53,7 @@ __all__ = ["Checkpointer"]
 log = logging.getLogger(__name__)
 
 
-class Checkpointer:
+class Checkpointer(CheckpointManager):
     """Default :class:`~ftkit.checkpoint.CheckpointManager`; saves synchronously.
 
     ``save`` = ``take_snapshot`` (copy into CPU memory) + ``persist`` (the commit protocol),
