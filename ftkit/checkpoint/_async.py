@@ -414,7 +414,5 @@ class AsyncCheckpointer(CheckpointManager):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @property
-    def background(self) -> bool:
-        """Saves persist after ``save`` returns (see :class:`CheckpointManager`)."""
-        return True
+    background = True
+    """Saves persist after ``save`` returns (see :class:`CheckpointManager`)."""

@@ -187,7 +187,7 @@ def _python_rng(state: tuple[Any, ...]) -> dict[str, Any]:
     return {"version": version, "state": list(internal), "gauss": gauss}
 
 
-def _numpy_rng(state: tuple[Any, ...]) -> dict[str, Any]:
+def _numpy_rng(state: Any) -> dict[str, Any]:
     """A legacy numpy ``get_state()`` as plain data: the key array as an int64 tensor."""
     kind, keys, pos, has_gauss, cached = state
     return {
