@@ -56,8 +56,8 @@ class CheckpointManager(Protocol):
     def close(self) -> None: ...
 
     def on_step(self, step: int, state: Mapping[str, Any]) -> bool:
-        """Called after every step by a background manager's controller (a memory snapshot may
-        be due); whether it took one."""
+        """Called by the controller at every step when ``background`` (a memory snapshot may be
+        due); whether it took one."""
         return False
 
     def pending_error(self) -> CheckpointError | None:
@@ -140,4 +140,10 @@ def _with_defaults(cls: type) -> type:
     }
     if not hasattr(cls, "background"):
         namespace["background"] = hasattr(cls, "pending_error")
-    return type(cls.__name__, (cls, CheckpointManager), namespace)
+    try:
+        return type(cls.__name__, (cls, CheckpointManager), namespace)
+    except TypeError as exc:  # e.g. a metaclass that cannot be combined with the protocol's
+        raise ConfigError(
+            f"checkpoint.manager: cannot give {cls.__module__}.{cls.__qualname__} the CheckpointManager "
+            f"defaults ({exc}); derive it from ftkit.checkpoint.CheckpointManager"
+        ) from exc
