@@ -12,36 +12,19 @@ import ftkit
 from ftkit.checkpoint import CheckpointConfig
 from ftkit.errors import CheckpointError
 from ftkit.events import read_events
+from tests.ckpt_helpers import FakeManager
 from tests.conftest import wait_for
 
 
-class BackgroundManager:
+class BackgroundManager(FakeManager):
     """A custom manager that persists in the background and says so the way managers did before
     ``background`` existed: by having ``pending_error``. Durability is set by the test."""
 
-    def __init__(self, config, *, events=None, rank=0, world_size=1, process_group=None):
-        self.saved: list[int] = []
+    def __init__(self, config, **kw):
+        super().__init__(config, **kw)
         self.steps: list[int] = []
         self.last_durable_step: int | None = None
         self.error: CheckpointError | None = None
-
-    def save(self, step, state, *, pin=False, reason=None):
-        self.saved.append(step)
-
-    def load(self, state, step=None):
-        return None
-
-    def list(self):
-        return []
-
-    def validate(self, path, checksums=False):
-        raise NotImplementedError
-
-    def wait(self):
-        pass
-
-    def close(self):
-        pass
 
     def on_step(self, step, state):
         self.steps.append(step)
