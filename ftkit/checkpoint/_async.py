@@ -52,6 +52,7 @@ from ._async_config import AsyncConfig
 from ._config import CheckpointConfig, CheckpointInfo
 from ._layout import step_name
 from ._manager import Checkpointer
+from ._protocol import CheckpointManager
 
 __all__ = ["AsyncCheckpointer", "AsyncConfig"]
 
@@ -71,7 +72,7 @@ class _Slot:
         self.durable = False
 
 
-class AsyncCheckpointer:
+class AsyncCheckpointer(CheckpointManager):
     """A :class:`~ftkit.checkpoint.CheckpointManager` that persists in the background (module doc)."""
 
     def __init__(
@@ -413,3 +414,6 @@ class AsyncCheckpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    background = True
+    """Saves persist after ``save`` returns (see :class:`CheckpointManager`)."""

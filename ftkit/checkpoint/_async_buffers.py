@@ -1,8 +1,8 @@
 """Copy training state into reused host buffers: the only part of an async save the loop waits for.
 
-``flatten`` walks the state the way ``take_snapshot`` does (stateful objects become their
-``state_dict()``, RNG states included) but copies nothing: it returns a *skeleton* (the
-structure with every tensor replaced by a :class:`Ref`) and the list of live tensors.
+``flatten`` (:mod:`._state`, the one walk that ``take_snapshot`` uses too: stateful objects
+become their ``state_dict()``, RNG states included) copies nothing: it returns a *skeleton*
+(the structure with every tensor replaced by a :class:`Ref`) and the list of live tensors.
 ``Copier.copy`` (or a :class:`CopyBatch`, one tensor at a time) then ``copy_``-es each live
 tensor into its preallocated buffer:
 
@@ -14,8 +14,8 @@ tensor into its preallocated buffer:
 
 An async save copies each tensor as soon as ``flatten`` finds it (its ``found`` callback, when
 the slot already holds a buffer of that path, shape and dtype: every save after the first), so
-the GPU copies while the rest of the state is walked and the RNG captured: the walk costs
-~0.5-0.9 ms of Python with a cold cache, which would otherwise precede the first copy.
+the GPU copies while the rest of the state is walked and the RNG captured: the walk is
+Python, and would otherwise all precede the first copy.
 
 A :class:`BufferSet` keeps one buffer per tensor, keyed by its path in the state and checked
 against shape and dtype, so a long run allocates once and then reuses (``copy_``) forever.
@@ -23,110 +23,19 @@ against shape and dtype, so a long run allocates once and then reuses (``copy_``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
 from ._direct import aligned_like
-from ._state import Snapshot, capture_rng, is_stateful
+from ._state import Ref, Snapshot, flatten, materialize
 
 __all__ = ["BufferSet", "Copier", "CopyBatch", "Ref", "flatten", "layout_of", "materialize"]
-
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
-_SCALARS = frozenset((type(None), bool, int, float, complex, str, bytes))
-
-
-def _all_scalars(items: list[Any] | tuple[Any, ...]) -> bool:
-    """Whether a list or tuple holds only scalars (say Python's RNG state, 625 ints): it is then
-    kept as it is, without a walk (and a path string) per element: ~0.3 ms of every save's stall."""
-    return set(map(type, items)) <= _SCALARS
-
-
-class Ref:
-    """Stands for the ``index``-th tensor of a flattened state inside a skeleton (picklable)."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-    def __reduce__(self):
-        return (Ref, (self.index,))
-
-    def __repr__(self) -> str:
-        return f"Ref({self.index})"
-
-
-def flatten(
-    state: Mapping[str, Any],
-    *,
-    exclude: frozenset[str] = frozenset(),
-    found: Callable[[int, str, torch.Tensor], None] | None = None,
-) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
-    """``(skeleton, [(where, tensor), ...])`` of ``state`` (minus ``exclude`` keys: with several
-    ranks those go through DCP, see ``_async_commit.plan_sharded``) plus the RNG states; no copies.
-
-    ``found(index, where, tensor)`` is called for each tensor as the walk reaches it (the caller
-    may start copying it)."""
-    if not isinstance(state, Mapping):
-        raise CheckpointError(f"state must be a mapping of name -> object, got {type(state).__name__}")
-    tensors: list[tuple[str, torch.Tensor]] = []
-
-    def walk(value: Any, where: str) -> Any:
-        if isinstance(value, torch.Tensor):
-            tensor = value.detach()
-            tensors.append((where, tensor))
-            if found is not None:
-                found(len(tensors) - 1, where, tensor)
-            return Ref(len(tensors) - 1)
-        if isinstance(value, _PLAIN):
-            return value
-        if is_stateful(value):
-            return walk(value.state_dict(), where)
-        if isinstance(value, Mapping):
-            kind: Any = type(value) if type(value) is dict or type(value).__name__ == "OrderedDict" else dict
-            return kind((k, walk(v, f"{where}[{k!r}]")) for k, v in value.items())
-        if isinstance(value, list):
-            if _all_scalars(value):
-                return list(value)
-            return [walk(v, f"{where}[{i}]") for i, v in enumerate(value)]
-        if isinstance(value, tuple):
-            if type(value) is tuple and _all_scalars(value):
-                return value
-            return tuple(walk(v, f"{where}[{i}]") for i, v in enumerate(value))
-        raise CheckpointError(
-            f"cannot checkpoint {where}: a {type(value).__module__}.{type(value).__qualname__} is "
-            "neither a plain value (tensor, number, str, list, dict) nor an object with "
-            "state_dict()/load_state_dict()"
-        )
-
-    local = {k: walk(v, f"state[{k!r}]") for k, v in state.items() if k not in exclude}
-    rng = walk(capture_rng(), "rng")
-    return {"state": local, "rng": rng}, tensors
 
 
 def layout_of(tensors: list[tuple[str, torch.Tensor]]) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
     """What buffers a flattened state needs: ``(where, shape, dtype)`` per tensor."""
     return tuple((where, tuple(t.shape), t.dtype) for where, t in tensors)
-
-
-def materialize(skeleton: Any, buffers: list[torch.Tensor]) -> Any:
-    """The skeleton with every :class:`Ref` replaced by its buffer."""
-    if isinstance(skeleton, Ref):
-        return buffers[skeleton.index]
-    if isinstance(skeleton, dict):
-        return type(skeleton)((k, materialize(v, buffers)) for k, v in skeleton.items())
-    if isinstance(skeleton, list):
-        if _all_scalars(skeleton):
-            return list(skeleton)
-        return [materialize(v, buffers) for v in skeleton]
-    if isinstance(skeleton, tuple) and not isinstance(skeleton, torch.Size):
-        if _all_scalars(skeleton):
-            return skeleton
-        return tuple(materialize(v, buffers) for v in skeleton)
-    return skeleton
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -36,6 +36,7 @@ from ._layout import DCP_DIR, list_step_dirs, rank_file, step_name
 from ._load import check_missing, describe_rule, is_dcp, match_keys
 from ._manifest import validate_dir, verify_files, verify_share
 from ._pins import pin_checkpoint
+from ._protocol import CheckpointManager
 from ._single import WriteProgress, read_state_file, read_state_into, write_state_file
 from ._state import (
     Snapshot,
@@ -52,7 +53,7 @@ __all__ = ["Checkpointer"]
 log = logging.getLogger(__name__)
 
 
-class Checkpointer:
+class Checkpointer(CheckpointManager):
     """Default :class:`~ftkit.checkpoint.CheckpointManager`; saves synchronously.
 
     ``save`` = ``take_snapshot`` (copy into CPU memory) + ``persist`` (the commit protocol),

@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from ._config import CheckpointConfig, CheckpointInfo
 
 __all__ = ["CheckpointManager", "load_manager_class", "make_manager"]
@@ -15,11 +15,31 @@ __all__ = ["CheckpointManager", "load_manager_class", "make_manager"]
 
 @runtime_checkable
 class CheckpointManager(Protocol):
-    """What the training controller needs from a checkpoint manager.
+    """Everything the training controller uses of a checkpoint manager.
 
     A custom manager is a class whose constructor takes
-    ``(config, *, events, rank, world_size, process_group)`` and which has these methods.
+    ``(config, *, events, rank, world_size, process_group)`` and which has the six methods
+    ``save``, ``load``, ``list``, ``validate``, ``wait`` and ``close``. The rest has defaults
+    here, those of a manager whose ``save`` returns once the checkpoint is durable; a manager
+    that persists in the background sets ``background`` and overrides ``on_step``,
+    ``pending_error``, ``last_durable_step`` and ``last_persist_seconds``. A class that does
+    not derive from this one gets the defaults from :func:`make_manager`.
     """
+
+    background: bool = False
+    """Saves are persisted after ``save`` returns: the controller calls ``on_step`` and
+    ``pending_error`` each step, waits before an exit, and removes the request files a save
+    answered only once ``last_durable_step`` reaches it."""
+
+    loaded: CheckpointInfo | None = None
+    """The checkpoint the last ``load`` restored (its ``world_size`` goes into the resume event)."""
+
+    last_durable_step: int | None = None
+    """Newest step whose background save is durable; None: none yet."""
+
+    last_persist_seconds: float | None = None
+    """How long the newest durable background save took to persist (the time budget and the
+    auto interval need the time until durable, not the stall); None: none yet."""
 
     def save(
         self, step: int, state: Mapping[str, Any], *, pin: bool = False, reason: str | None = None
@@ -34,6 +54,15 @@ class CheckpointManager(Protocol):
     def wait(self) -> None: ...
 
     def close(self) -> None: ...
+
+    def on_step(self, step: int, state: Mapping[str, Any]) -> bool:
+        """Called by the controller at every step when ``background`` (a memory snapshot may be
+        due); whether it took one."""
+        return False
+
+    def pending_error(self) -> CheckpointError | None:
+        """A background save that failed since the last call, reported once; None: none."""
+        return None
 
 
 _METHODS = ("save", "load", "list", "validate", "wait", "close")
@@ -83,7 +112,7 @@ def make_manager(
 
         cls: type = Checkpointer
     else:
-        cls = load_manager_class(config.manager)
+        cls = _with_defaults(load_manager_class(config.manager))
     manager = cls(
         config, events=events, rank=rank, world_size=world_size, process_group=process_group
     )
@@ -92,3 +121,29 @@ def make_manager(
             f"checkpoint.manager: {config.manager!r} instances do not satisfy the CheckpointManager protocol"
         )
     return manager
+
+
+def _with_defaults(cls: type) -> type:
+    """``cls``, or where it does not derive from :class:`CheckpointManager`, a subclass of it
+    (same name) that takes the protocol's defaults for what ``cls`` lacks: the one place
+    where a custom manager's missing members are filled in.
+
+    A class written before ``background`` existed said it persists in the background by
+    having ``pending_error``; it keeps being treated so.
+    """
+    if CheckpointManager in cls.__mro__:
+        return cls
+    namespace: dict[str, Any] = {
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+    }
+    if not hasattr(cls, "background"):
+        namespace["background"] = hasattr(cls, "pending_error")
+    try:
+        return type(cls.__name__, (cls, CheckpointManager), namespace)
+    except TypeError as exc:  # e.g. a metaclass that cannot be combined with the protocol's
+        raise ConfigError(
+            f"checkpoint.manager: cannot give {cls.__module__}.{cls.__qualname__} the CheckpointManager "
+            f"defaults ({exc}); derive it from ftkit.checkpoint.CheckpointManager"
+        ) from exc

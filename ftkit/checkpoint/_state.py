@@ -24,7 +24,7 @@ import hashlib
 import logging
 import random
 import sys
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,11 +34,13 @@ from ..errors import CheckpointError
 from ._direct import aligned_like
 
 __all__ = [
+    "Ref",
     "Snapshot",
     "capture_rng",
     "clone_tensors",
-    "copy_to_cpu",
     "derive_rng",
+    "flatten",
+    "materialize",
     "own_tensors",
     "restore_rng",
     "restore_state",
@@ -47,7 +49,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+_SCALARS = frozenset((type(None), bool, int, float, complex, str, bytes))
 _MISSING = object()
 
 
@@ -59,69 +62,141 @@ def is_stateful(obj: Any) -> bool:
     )
 
 
-class _Copier:
-    def __init__(self) -> None:
-        self.nbytes = 0
+def _all_scalars(items: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether a list or tuple holds only scalars (say Python's RNG state, 625 ints): it is then
+    kept as it is, without a walk (and a path string) per element, which would add a sizeable
+    part of an async save's stall."""
+    return set(map(type, items)) <= _SCALARS
 
-    def __call__(self, value: Any, where: str) -> Any:
+
+class Ref:
+    """Stands for the ``index``-th tensor of a flattened state inside a skeleton (picklable)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self):
+        return (Ref, (self.index,))
+
+    def __repr__(self) -> str:
+        return f"Ref({self.index})"
+
+
+def flatten(
+    state: Mapping[str, Any],
+    *,
+    exclude: frozenset[str] = frozenset(),
+    found: Callable[[int, str, torch.Tensor], None] | None = None,
+    rng: bool = True,
+) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
+    """``(skeleton, [(where, tensor), ...])`` of ``state``: the one walk of what a checkpoint
+    holds, shared by the synchronous snapshot and the async one; it copies nothing.
+
+    The rules (see the module doc): a stateful object becomes its ``state_dict()``; dicts,
+    lists and tuples are walked; plain values are kept; a tensor is detached, listed and
+    replaced in the skeleton by a :class:`Ref` to its index; anything else is refused with its
+    key path (``state['model'][3]``). ``exclude`` keys are left out (with several ranks those
+    go through DCP). ``rng``: the RNG states (:func:`capture_rng`, taken after the walk) are
+    walked in as ``"rng"`` too, so that their tensors land in the same buffers as the state's.
+
+    ``found(index, where, tensor)`` is called for each tensor as the walk reaches it (an async
+    save starts copying it while the rest of the state is walked)."""
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"state must be a mapping of name -> object, got {type(state).__name__}")
+    tensors: list[tuple[str, torch.Tensor]] = []
+
+    def walk(value: Any, where: str) -> Any:
         if isinstance(value, torch.Tensor):
-            t = value.detach()
-            dense = t.device.type in ("cpu", "cuda") and t.layout == torch.strided and t.is_contiguous()
-            out = aligned_like(t) if dense else None  # on a page: written with O_DIRECT as is
-            if out is not None:
-                out.copy_(t)
-            else:  # clone keeps the strides of a non-contiguous tensor
-                out = t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
-            self.nbytes += t.numel() * t.element_size()
-            return out
+            tensor = value.detach()
+            tensors.append((where, tensor))
+            if found is not None:
+                found(len(tensors) - 1, where, tensor)
+            return Ref(len(tensors) - 1)
         if isinstance(value, _PLAIN):
             return value
         if is_stateful(value):
-            return self(value.state_dict(), where)
+            return walk(value.state_dict(), where)
         if isinstance(value, Mapping):
-            kind: Any = (
-                type(value)
-                if type(value) in (dict,) or type(value).__name__ == "OrderedDict"
-                else dict
-            )
-            return kind((k, self(v, f"{where}[{k!r}]")) for k, v in value.items())
-        if isinstance(value, torch.Size):
-            return value
+            kind: Any = type(value) if type(value) is dict or type(value).__name__ == "OrderedDict" else dict
+            return kind((k, walk(v, f"{where}[{k!r}]")) for k, v in value.items())
         if isinstance(value, list):
-            return [self(v, f"{where}[{i}]") for i, v in enumerate(value)]
+            if _all_scalars(value):
+                return list(value)
+            return [walk(v, f"{where}[{i}]") for i, v in enumerate(value)]
         if isinstance(value, tuple):
-            return tuple(self(v, f"{where}[{i}]") for i, v in enumerate(value))
+            if type(value) is tuple and _all_scalars(value):
+                return value
+            return tuple(walk(v, f"{where}[{i}]") for i, v in enumerate(value))
         raise CheckpointError(
             f"cannot checkpoint {where}: a {type(value).__module__}.{type(value).__qualname__} is "
             "neither a plain value (tensor, number, str, list, dict) nor an object with "
             "state_dict()/load_state_dict()"
         )
 
+    skeleton = {"state": {k: walk(v, f"state[{k!r}]") for k, v in state.items() if k not in exclude}}
+    if rng:
+        skeleton["rng"] = walk(capture_rng(), "rng")
+    return skeleton, tensors
 
-def copy_to_cpu(value: Any, where: str = "state") -> tuple[Any, int]:
-    """Deep copy into CPU memory (tensors cloned, stateful objects as their state_dict)."""
-    copier = _Copier()
-    return copier(value, where), copier.nbytes
+
+def materialize(skeleton: Any, buffers: list[torch.Tensor]) -> Any:
+    """The skeleton with every :class:`Ref` replaced by its buffer."""
+    if isinstance(skeleton, Ref):
+        return buffers[skeleton.index]
+    if isinstance(skeleton, dict):
+        return type(skeleton)((k, materialize(v, buffers)) for k, v in skeleton.items())
+    if isinstance(skeleton, list):
+        if _all_scalars(skeleton):
+            return list(skeleton)
+        return [materialize(v, buffers) for v in skeleton]
+    if isinstance(skeleton, tuple) and not isinstance(skeleton, torch.Size):
+        if _all_scalars(skeleton):
+            return skeleton
+        return tuple(materialize(v, buffers) for v in skeleton)
+    return skeleton
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``tensor``; a dense one starts on a page (written with O_DIRECT as is)."""
+    dense = tensor.device.type in ("cpu", "cuda") and tensor.layout == torch.strided and tensor.is_contiguous()
+    out = aligned_like(tensor) if dense else None
+    if out is not None:
+        out.copy_(tensor)
+        return out
+    # clone keeps the strides of a non-contiguous tensor
+    return tensor.to("cpu", copy=True) if tensor.device.type != "cpu" else tensor.clone()
 
 
 def capture_rng() -> dict[str, Any]:
     """Python, numpy (if imported), torch CPU and every CUDA device's generator state."""
-    version, internal, gauss = random.getstate()
-    rng: dict[str, Any] = {"python": {"version": version, "state": list(internal), "gauss": gauss}}
+    rng: dict[str, Any] = {"python": _python_rng(random.getstate())}
     rng["torch"] = torch.get_rng_state()
     np = sys.modules.get("numpy")
     if np is not None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-        rng["numpy"] = {
-            "kind": str(kind),
-            "keys": torch.from_numpy(keys.astype("int64")),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached": float(cached),
-        }
+        rng["numpy"] = _numpy_rng(np.random.get_state(legacy=True))
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = list(torch.cuda.get_rng_state_all())
     return rng
+
+
+def _python_rng(state: tuple[Any, ...]) -> dict[str, Any]:
+    """A ``random.getstate()`` as plain data (``restore_rng`` turns it back)."""
+    version, internal, gauss = state
+    return {"version": version, "state": list(internal), "gauss": gauss}
+
+
+def _numpy_rng(state: Any) -> dict[str, Any]:
+    """A legacy numpy ``get_state()`` as plain data: the key array as an int64 tensor."""
+    kind, keys, pos, has_gauss, cached = state
+    return {
+        "kind": str(kind),
+        "keys": torch.from_numpy(keys.astype("int64")),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached": float(cached),
+    }
 
 
 def restore_rng(rng: Mapping[str, Any]) -> None:
@@ -165,21 +240,13 @@ def derive_rng(rng: Mapping[str, Any], rank: int) -> dict[str, Any]:
     seed = int.from_bytes(digest.digest()[:8], "little") >> 1  # < 2**63: any generator takes it
     out: dict[str, Any] = {}
     if rng.get("python"):
-        version, internal, gauss = random.Random(seed).getstate()
-        out["python"] = {"version": version, "state": list(internal), "gauss": gauss}
+        out["python"] = _python_rng(random.Random(seed).getstate())
     if "torch" in rng:
         out["torch"] = torch.Generator().manual_seed(seed).get_state()
     if "numpy" in rng:
         import numpy as np
 
-        kind, keys, pos, has_gauss, cached = np.random.RandomState(seed % 2**32).get_state(legacy=True)
-        out["numpy"] = {
-            "kind": str(kind),
-            "keys": torch.from_numpy(keys.astype("int64")),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached": float(cached),
-        }
+        out["numpy"] = _numpy_rng(np.random.RandomState(seed % 2**32).get_state(legacy=True))
     if rng.get("cuda") and torch.cuda.is_available():
         out["cuda"] = [
             torch.Generator(device=f"cuda:{i}").manual_seed((seed + i + 1) % 2**63).get_state()
@@ -202,14 +269,14 @@ class Snapshot:
 
 
 def take_snapshot(state: Mapping[str, Any], *, exclude: frozenset[str] = frozenset()) -> Snapshot:
-    """Copy ``state`` (minus ``exclude`` keys) and the RNG states into CPU memory."""
-    if not isinstance(state, Mapping):
-        raise CheckpointError(
-            f"state must be a mapping of name -> object, got {type(state).__name__}"
-        )
-    copier = _Copier()
-    local = {k: copier(v, f"state[{k!r}]") for k, v in state.items() if k not in exclude}
-    return Snapshot(local={"state": local, "rng": capture_rng()}, nbytes=copier.nbytes)
+    """Copy ``state`` (minus ``exclude`` keys) and the RNG states into CPU memory.
+
+    The state is walked by :func:`flatten` and each tensor found is copied; the RNG states are
+    fresh tensors already (:func:`capture_rng`), so they are kept without a copy."""
+    skeleton, tensors = flatten(state, exclude=exclude, rng=False)
+    copies = [_host_copy(t) for _, t in tensors]
+    nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    return Snapshot(local={"state": materialize(skeleton["state"], copies), "rng": capture_rng()}, nbytes=nbytes)
 
 
 def _restore_value(live: Any, saved: Any) -> Any:

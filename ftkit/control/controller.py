@@ -7,7 +7,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..decision import Action, Decision, Request, RequestBox, Source
 from ..errors import CheckpointError, ConfigError
@@ -29,6 +29,9 @@ from .interval import AutoInterval, IntervalConfig
 from .runclock import RunClock, TimingConfig
 from .watchdog import Watchdog, WatchdogConfig
 
+if TYPE_CHECKING:
+    from ..checkpoint import AsyncConfig, CheckpointConfig, CheckpointManager
+
 __all__ = ["Config", "FaultTolerance"]
 
 log = logging.getLogger(__name__)
@@ -49,10 +52,10 @@ class Config:
     agreement: AgreementConfig = field(default_factory=AgreementConfig)
     """How often ranks agree on a decision."""
 
-    checkpoint: Any = None
+    checkpoint: CheckpointConfig | None = None
     """A ``ftkit.checkpoint.CheckpointConfig``; None: ``JOBDIR/checkpoints`` with defaults."""
 
-    async_save: Any = None
+    async_save: AsyncConfig | None = None
     """A ``ftkit.checkpoint.AsyncConfig`` to save in the background (the loop stalls only for
     the in-memory snapshot); None: synchronous saves."""
 
@@ -137,7 +140,7 @@ class FaultTolerance:
         self._last_saved_step: int | None = None
         self._handled_wall: dict[Source, float] = {}  # wall time of the last decision per file source
         self._seen_requests: set[str] = set()  # request files this run has logged (acted on or not)
-        self._checkpoints: Any = None
+        self._checkpoints: CheckpointManager | None = None
         self._background = False  # the manager persists in the background (on_step, pending_error)
         self._to_consume: list[Decision] = []  # decisions whose files go once their save is durable
         self._started = False
@@ -419,7 +422,7 @@ class FaultTolerance:
     # -- checkpoints ------------------------------------------------------------------------
 
     @property
-    def checkpoints(self) -> Any:
+    def checkpoints(self) -> CheckpointManager:
         """The checkpoint manager (created on first use)."""
         if self._checkpoints is None:
             from ..checkpoint import CheckpointConfig, make_manager
@@ -434,7 +437,7 @@ class FaultTolerance:
             else:
                 self._checkpoints = make_manager(cfg, events=self.events, rank=self.rank,
                                                  world_size=self.world_size, process_group=self._group)
-            self._background = hasattr(self._checkpoints, "pending_error")
+            self._background = self._checkpoints.background
         return self._checkpoints
 
     def _require_state(self) -> Mapping[str, Any]:
@@ -455,8 +458,8 @@ class FaultTolerance:
         timing = self.runclock.resumed(step, load_seconds=self._clock() - loaded_at,
                                        manager_seconds=loaded_at - began)
         # the run that saved it may have had another number of ranks (custom managers: unknown)
-        loaded = getattr(manager, "loaded", None) if step is not None else None
-        saved_world = getattr(loaded, "world_size", None)
+        loaded = manager.loaded if step is not None else None
+        saved_world = None if loaded is None else loaded.world_size
         self.events.emit("resume", step=step, world_size=self.world_size, saved_world_size=saved_world, **timing)
         self._last_saved_step = step
         return 0 if step is None else int(step)
@@ -486,7 +489,7 @@ class FaultTolerance:
         exiting = bool(decision is not None and decision.exit) or reason == "end of training"
         seconds = stall
         if self._background:  # the budget needs the time until durable, not the stall
-            seconds = max(stall, getattr(self.checkpoints, "last_persist_seconds", None) or 0.0)
+            seconds = max(stall, self.checkpoints.last_persist_seconds or 0.0)
         self._saved(step, seconds=seconds, stall=stall, decision=decision, exiting=exiting)
         return info
 
@@ -497,7 +500,7 @@ class FaultTolerance:
 
         collective = self._collective
         agree = None if collective is None else (lambda n: int(collective.reduce([n] + [0] * (WIDTH - 1))[0]))
-        in_flight = getattr(self.config.async_save, "max_in_flight", 1)
+        in_flight = 1 if self.config.async_save is None else self.config.async_save.max_in_flight
         return AutoInterval(self.config.interval, events=self.events if self.rank == 0 else None,
                             history=read_history(list(read_events(self.job.events))),
                             max_in_flight=in_flight, agree=agree)
@@ -505,7 +508,7 @@ class FaultTolerance:
     def _replan(self, step: int, stall: float) -> None:
         """After a periodic or requested save: new measurements, maybe a new interval."""
         auto = self._auto
-        durable = getattr(self.checkpoints, "last_persist_seconds", None) if self._background else stall
+        durable = self.checkpoints.last_persist_seconds if self._background else stall
         auto.measured(cost=stall, durable=durable)
         step_time = self.runclock.step_time()
         if step_time is not None:
@@ -514,7 +517,7 @@ class FaultTolerance:
     def _poll_background(self, step: int) -> None:
         """Memory snapshots due at this step, and a background save that failed since the last
         step: reported here, never lost (the manager's ``on_error`` decides raise or warn)."""
-        mgr = self._checkpoints
+        mgr = self.checkpoints
         mgr.on_step(step, self._require_state())
         if self._to_consume:
             self._consume_durable()
@@ -524,7 +527,7 @@ class FaultTolerance:
             log.warning("a background checkpoint failed, training continues: %s", error)
 
     def _consume_durable(self) -> None:
-        durable = getattr(self._checkpoints, "last_durable_step", None)
+        durable = None if self._checkpoints is None else self._checkpoints.last_durable_step
         if durable is None:
             return
         done = [d for d in self._to_consume if d.step <= durable]
@@ -554,7 +557,7 @@ class FaultTolerance:
         self.budget.record_save(seconds)
         if decision is None:
             return
-        if self._background and getattr(self._checkpoints, "last_durable_step", step) != step:
+        if self._background and self.checkpoints.last_durable_step != step:
             self._to_consume.append(decision)  # once the background save is durable
         else:
             self._consume(decision)
