@@ -374,8 +374,8 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
                                 _files_under(path), min(rounds, 5), settle_s))
     elif variant in ("ftkit-async", "ftkit-shm"):
         from ftkit.checkpoint import CheckpointConfig, make_manager
-        from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
-        from ftkit.checkpoint._files import CRC_IMPL
+        from ftkit.checkpoint.background.manager import AsyncCheckpointer, AsyncConfig
+        from ftkit.checkpoint.io.files import CRC_IMPL
 
         out["crc"] = CRC_IMPL  # which CRC-32 implementation the persist ran with
         # keep_last=None: deleting the previous checkpoint is retention, not the persist
@@ -593,7 +593,7 @@ def _loop(model, opt, work: Path, rounds: int = 3) -> dict:
     import torch
 
     from ftkit.checkpoint import CheckpointConfig
-    from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
+    from ftkit.checkpoint.background.manager import AsyncCheckpointer, AsyncConfig
 
     state = {"model": model, "optimizer": opt}
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # a core for the background

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-import ftkit.checkpoint._dcp
-import ftkit.checkpoint._manager  # noqa: F401
+import ftkit.checkpoint.dcp
+import ftkit.checkpoint.manager  # noqa: F401
 from ftkit.checkpoint import CheckpointConfig, make_manager, validate_dir
 
 KEEP_LAST = 2

@@ -7,7 +7,7 @@ adjacent pages into one segment; pages scattered in physical memory make many sm
 This benchmark writes the same ``--mb`` of random bytes (16 MiB buffers, the size of a
 2048x2048 float32 tensor) with O_DIRECT + fsync to a new file, from:
 
-* ``huge``    ftkit's host buffers (``ftkit.checkpoint._direct.aligned_empty``): private, on a
+* ``huge``    ftkit's host buffers (``ftkit.checkpoint.io.direct.aligned_empty``): private, on a
   2 MiB boundary, advised into transparent huge pages;
 * ``private`` private anonymous mappings in 4 KiB pages (``MADV_NOHUGEPAGE``);
 * ``shared``  shared anonymous mappings (shmem pages: what ftkit's buffers were before);
@@ -84,7 +84,7 @@ def _fragment(nbytes: int) -> mmap.mmap | None:
 def _sources(kind: str, count: int, data: bytes, shm_dir: Path) -> list[memoryview]:
     import torch
 
-    from ftkit.checkpoint._direct import aligned_empty
+    from ftkit.checkpoint.io.direct import aligned_empty
 
     out = []
     for i in range(count):

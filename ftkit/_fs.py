@@ -1,6 +1,6 @@
 """Small filesystem helpers: durable writes (the one implementation, for the job-dir writers
 such as request files and runs.json, and for the checkpoint commit through
-:mod:`ftkit.checkpoint._files`), and which mount holds a path. No torch."""
+:mod:`ftkit.checkpoint.io.files`), and which mount holds a path. No torch."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ def _cfg(root, **kw):
 
 
 def _mgr(root, *, keep_last=None, **async_kw):
-    from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
+    from ftkit.checkpoint.background.manager import AsyncCheckpointer, AsyncConfig
 
     return AsyncCheckpointer(_cfg(root, keep_last=keep_last), async_config=AsyncConfig(**async_kw))
 
@@ -40,7 +40,7 @@ def _mgr(root, *, keep_last=None, **async_kw):
     ({"saver_timeout": -1}, "saver_timeout"),
 ])
 def test_config_errors_name_the_setting(kw, setting):
-    from ftkit.checkpoint._async import AsyncConfig
+    from ftkit.checkpoint.background.manager import AsyncConfig
     from ftkit.errors import ConfigError
 
     with pytest.raises(ConfigError, match=f"checkpoint.async.{setting}"):
@@ -49,7 +49,7 @@ def test_config_errors_name_the_setting(kw, setting):
 
 def test_several_ranks_without_a_process_group_is_refused(tmp_path):
     """world_size > 1 needs torch.distributed initialised first (construction is collective)."""
-    from ftkit.checkpoint._async import AsyncCheckpointer
+    from ftkit.checkpoint.background.manager import AsyncCheckpointer
     from ftkit.errors import ConfigError
 
     with pytest.raises(ConfigError, match="world_size=2"):
@@ -181,7 +181,7 @@ class _Probe:
 
         import torch
 
-        from ftkit.checkpoint import _shm
+        from ftkit.checkpoint.crashsafe import shm as _shm
 
         self.seen.append(any(b.shape == self.a.shape and torch.equal(b, self.a) for b in self.mgr.buffers(0)))
         seg = getattr(self.mgr._backend, "segments", [None])[0]
@@ -208,7 +208,7 @@ def test_each_tensor_is_copied_as_soon_as_the_walk_finds_it(tmp_path, crash_safe
     # the first save allocates the buffers after the walk; later ones copy into them during it
     assert probe.seen == [False, True, True]
     if crash_safe:
-        from ftkit.checkpoint._shm import WRITING
+        from ftkit.checkpoint.crashsafe.shm import WRITING
 
         assert probe.states == [WRITING, WRITING]
     got = torch.load(tmp_path / "step-00000003" / "rank-00000.pt", weights_only=True)["state"]
@@ -408,7 +408,7 @@ def train_main(argv: list[str]) -> None:
     import torch
 
     from ftkit.checkpoint import CheckpointConfig, make_manager
-    from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
+    from ftkit.checkpoint.background.manager import AsyncCheckpointer, AsyncConfig
     from tests.ckpt_helpers import build_state
 
     ap = argparse.ArgumentParser()

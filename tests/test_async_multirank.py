@@ -190,8 +190,8 @@ def test_settings_and_refusals(tmp_path):
     from torch.distributed.checkpoint import DefaultSavePlanner
 
     from ftkit.checkpoint import CheckpointConfig
-    from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
-    from ftkit.checkpoint._async_plan import merge_metadata
+    from ftkit.checkpoint.background.manager import AsyncCheckpointer, AsyncConfig
+    from ftkit.checkpoint.background.plan import merge_metadata
     from ftkit.errors import CheckpointError, ConfigError
 
     with pytest.raises(ConfigError, match=r"checkpoint\.async\.commit_timeout"):
@@ -228,7 +228,7 @@ def _setup(timeout_s: float = 20):
 
 def _manager(root, rank, world, **async_kw):
     from ftkit.checkpoint import CheckpointConfig
-    from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
+    from ftkit.checkpoint.background.manager import AsyncCheckpointer, AsyncConfig
 
     return AsyncCheckpointer(
         CheckpointConfig(root=root, keep_last=2),
@@ -256,7 +256,7 @@ def _write(out: str, rank: int, report: dict) -> None:
 
 def _patch_write(rank_file_step: str, action) -> None:
     """Make this rank's worker run ``action`` instead of writing its state file into ``rank_file_step``."""
-    from ftkit.checkpoint import _async_commit
+    from ftkit.checkpoint.background import commit as _async_commit
 
     real = _async_commit.write_state_file
 

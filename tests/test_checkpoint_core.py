@@ -21,7 +21,7 @@ from ftkit.checkpoint import (
     make_manager,
     validate_dir,
 )
-from ftkit.checkpoint import _manager as manager_mod
+from ftkit.checkpoint import manager as manager_mod
 from ftkit.errors import CheckpointError, ConfigError, NoCheckpointError
 from ftkit.events import EventLog, read_events
 from tests.ckpt_helpers import REPO, env, make_mgr, small_state
@@ -304,7 +304,7 @@ def test_save_failure_leaves_incomplete_and_earlier_untouched(tmp_path, monkeypa
 
 
 def test_import_does_not_pull_torch():
-    code = "import sys, ftkit.checkpoint, ftkit.checkpoint._manifest; print('torch' in sys.modules)"
+    code = "import sys, ftkit.checkpoint, ftkit.checkpoint.format.manifest; print('torch' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code],
         env=env(),

@@ -1,4 +1,4 @@
-"""State files written with O_DIRECT (``ftkit.checkpoint._direct``), on real files.
+"""State files written with O_DIRECT (``ftkit.checkpoint.io.direct``), on real files.
 
 The bytes on disk are exactly the bytes written, for any mix of sizes and addresses (aligned
 buffers go to the disk from where they are, the rest through the staging buffer); the file
@@ -28,13 +28,15 @@ import zlib
 import pytest
 import torch
 
-from ftkit.checkpoint import CheckpointConfig, _direct, _single
-from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
-from ftkit.checkpoint._async_buffers import BufferSet, layout_of
-from ftkit.checkpoint._direct import BLOCK, DirectFile, aligned_empty, open_direct
-from ftkit.checkpoint._files import HashingWriter
-from ftkit.checkpoint._shm import Segment
-from ftkit.checkpoint._single import read_state_file, write_state_file
+from ftkit.checkpoint import CheckpointConfig
+from ftkit.checkpoint.background.buffers import BufferSet, layout_of
+from ftkit.checkpoint.background.manager import AsyncCheckpointer, AsyncConfig
+from ftkit.checkpoint.crashsafe.shm import Segment
+from ftkit.checkpoint.io import direct as _direct
+from ftkit.checkpoint.io import statefile as _single
+from ftkit.checkpoint.io.direct import BLOCK, DirectFile, aligned_empty, open_direct
+from ftkit.checkpoint.io.files import HashingWriter
+from ftkit.checkpoint.io.statefile import read_state_file, write_state_file
 from ftkit.errors import CheckpointError, ConfigError
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux-only")
@@ -194,7 +196,7 @@ def test_async_snapshot_buffers_and_shm_slots_are_page_aligned(tmp_path, monkeyp
 
 _HUGE_PROGRAM = r"""
 import os, sys, torch
-from ftkit.checkpoint._direct import aligned_empty
+from ftkit.checkpoint.io.direct import aligned_empty
 big = aligned_empty((1536, 1024), torch.float32)  # 6 MiB: three 2 MiB pieces
 small = aligned_empty((100, 1000), torch.float32)  # 400 KiB: pages only
 big.fill_(1.5); small.fill_(2.5)
@@ -252,7 +254,7 @@ def test_refused_o_direct_falls_back_or_fails_by_the_setting(tmp_path, monkeypat
         write_state_file(tmp_path, "req.pt", state, direct=True)
     assert str(tmp_path) in str(err.value)
     assert not (tmp_path / "req.pt").exists()  # the half-opened file is not left behind
-    with caplog.at_level(logging.INFO, logger="ftkit.checkpoint._direct"):
+    with caplog.at_level(logging.INFO, logger="ftkit.checkpoint.io.direct"):
         entry = write_state_file(tmp_path, "auto.pt", state, direct=None)
         write_state_file(tmp_path, "auto2.pt", state, direct=None)
     refusals = [r for r in caplog.records if "refuses O_DIRECT" in r.getMessage()]
@@ -355,7 +357,7 @@ def tmpfs(tmp_path):
 
 
 def test_huge_pages_is_read_from_the_mount_options(tmp_path, tmpfs):
-    from ftkit.checkpoint._shm import huge_pages
+    from ftkit.checkpoint.crashsafe.shm import huge_pages
 
     huge = tmpfs("huge", "size=64m,huge=within_size")
     (huge / "sub").mkdir()

@@ -18,9 +18,11 @@ import zlib
 import pytest
 import torch
 
-from ftkit.checkpoint import _direct, _files, _single
-from ftkit.checkpoint._files import HashingWriter, _CrcThread
-from ftkit.checkpoint._single import FILE_FORMAT, read_state_file, write_state_file
+from ftkit.checkpoint.io import direct as _direct
+from ftkit.checkpoint.io import files as _files
+from ftkit.checkpoint.io import statefile as _single
+from ftkit.checkpoint.io.files import HashingWriter, _CrcThread
+from ftkit.checkpoint.io.statefile import FILE_FORMAT, read_state_file, write_state_file
 from ftkit.errors import CheckpointError
 
 BIG = 3 << 20  # above the writer's copy limit: queued by reference or waited for

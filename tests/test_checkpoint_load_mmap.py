@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftkit.checkpoint import CheckpointConfig, _reader, _single, make_manager
+from ftkit.checkpoint import CheckpointConfig, make_manager
+from ftkit.checkpoint.io import reader as _reader
+from ftkit.checkpoint.io import statefile as _single
 
 
 def _mapped(path: Path) -> list[str]:
@@ -132,7 +134,7 @@ def test_reload_mid_run_copies_into_the_optimizers_own_tensors(tmp_path):
 @pytest.mark.parametrize("live", ["module", "tensor"])
 def test_what_restore_copies_is_not_cloned_first(tmp_path, live):
     # the buffer's tensors restore copies from are passed through as they are (no extra copy)
-    from ftkit.checkpoint._state import own_tensors
+    from ftkit.checkpoint.state.snapshot import own_tensors
 
     saved = {"x": torch.ones(4)}
     obj = torch.nn.Linear(4, 1) if live == "module" else torch.zeros(4)

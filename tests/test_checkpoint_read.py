@@ -1,4 +1,4 @@
-"""Loading reads each checkpoint file once, checksummed as it arrives (``ftkit.checkpoint._reader``).
+"""Loading reads each checkpoint file once, checksummed as it arrives (``ftkit.checkpoint.io.reader``).
 
 Real files: every byte of a state file is read exactly once by a load (no verification pass
 of its own), with O_DIRECT where the filesystem takes it; any size comes back byte for byte
@@ -21,10 +21,12 @@ import zlib
 import pytest
 import torch
 
-from ftkit.checkpoint import _direct, _reader, _single
-from ftkit.checkpoint._manifest import verify_files, verify_share
-from ftkit.checkpoint._reader import FileProblem, check_file, read_file
-from ftkit.checkpoint._single import read_state_file, write_state_file
+from ftkit.checkpoint.format.manifest import verify_files, verify_share
+from ftkit.checkpoint.io import direct as _direct
+from ftkit.checkpoint.io import reader as _reader
+from ftkit.checkpoint.io import statefile as _single
+from ftkit.checkpoint.io.reader import FileProblem, check_file, read_file
+from ftkit.checkpoint.io.statefile import read_state_file, write_state_file
 from ftkit.errors import CheckpointError
 from tests.ckpt_helpers import make_mgr, run_ranks
 
@@ -334,7 +336,7 @@ def test_a_dcp_checkpoint_is_read_once_per_file_straight_into_the_live_tensors(t
     """A two-rank DCP checkpoint (with an older one to fall back on), loaded in one process:
     every ``.distcp`` file is read once, with O_DIRECT, checked as it arrives, its tensors
     straight into the live model and optimizer; the state equals DCP's own reader's."""
-    from ftkit.checkpoint import _dcp_reader
+    from ftkit.checkpoint import dcp_reader as _dcp_reader
     from tests.ckpt_helpers import build_state
 
     root = tmp_path / "ck"
@@ -353,7 +355,7 @@ def test_a_dcp_checkpoint_is_read_once_per_file_straight_into_the_live_tensors(t
         for p in state["model"].parameters():
             p.add_(1.0)
     before = [p.data_ptr() for p in state["model"].parameters()]
-    with caplog.at_level("INFO", logger="ftkit.checkpoint._dcp_reader"):
+    with caplog.at_level("INFO", logger="ftkit.checkpoint.dcp_reader"):
         assert make_mgr(root).load(state) == 7
     assert "the way DCP does" not in caplog.text
     assert [p.data_ptr() for p in state["model"].parameters()] == before

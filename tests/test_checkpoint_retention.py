@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ftkit.checkpoint import CheckpointInfo, pin_checkpoint, unpin_checkpoint, validate_dir
-from ftkit.checkpoint import _manager as manager_mod
-from ftkit.checkpoint._retention import delete_checkpoint, plan_retention
+from ftkit.checkpoint import manager as manager_mod
+from ftkit.checkpoint.format.retention import delete_checkpoint, plan_retention
 from ftkit.errors import CheckpointError
 from ftkit.events import EventLog, read_events
 from tests.ckpt_helpers import make_mgr, small_state

@@ -8,8 +8,8 @@ import zlib
 
 import pytest
 
-from ftkit.checkpoint import _files
-from ftkit.checkpoint._files import HashingWriter
+from ftkit.checkpoint.io import files as _files
+from ftkit.checkpoint.io.files import HashingWriter
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise")
 

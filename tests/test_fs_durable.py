@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from ftkit import _fs
-from ftkit.checkpoint import _files
+from ftkit.checkpoint.io import files as _files
 
 
 def test_a_full_disk_leaves_the_old_file_and_no_temporary(small_fs):

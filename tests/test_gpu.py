@@ -13,7 +13,7 @@ import torch
 
 import ftkit
 from ftkit.checkpoint import AsyncCheckpointer, CheckpointConfig, validate_dir
-from ftkit.checkpoint._async_buffers import BufferSet, Copier
+from ftkit.checkpoint.background.buffers import BufferSet, Copier
 
 pytestmark = [
     pytest.mark.gpu,

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 import ftkit  # noqa: E402
-from ftkit.checkpoint._layout import MANIFEST, SENTINEL  # noqa: E402
+from ftkit.checkpoint.format.layout import MANIFEST, SENTINEL  # noqa: E402
 from ftkit.events import EventLog, read_events  # noqa: E402
 from ftkit.integrations._hf_checkpoints import arm, commit, inspect  # noqa: E402
 from ftkit.integrations.hf import FtkitCallback, latest_valid_checkpoint, train  # noqa: E402

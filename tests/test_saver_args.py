@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from ftkit.checkpoint import CheckpointConfig
-from ftkit.checkpoint._saver_args import SAVER_MODULE, SaverArgs
-from ftkit.slurm.savers import find_savers
+from ftkit.checkpoint.crashsafe.args import SAVER_MODULE, SaverArgs
+from ftkit.checkpoint.crashsafe.find import find_savers
 
 # A value other than the default for every CheckpointConfig field. A field added to
 # CheckpointConfig fails the first test until it gets one here, so the round trip covers it.

@@ -33,7 +33,7 @@ def _alive(pid: int) -> bool:
 
 
 def _savers_of(trainer_pid: int) -> list[int]:
-    from ftkit.checkpoint._saver_args import SAVER_MODULE
+    from ftkit.checkpoint.crashsafe.args import SAVER_MODULE
 
     out = []
     for entry in os.listdir("/proc"):
@@ -126,7 +126,7 @@ def test_kill9_mid_copy_persists_the_previous_complete_snapshot(tmp_path, mode, 
 def test_clean_close_stops_the_saver_and_unlinks(tmp_path):
     import torch
 
-    from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
+    from ftkit.checkpoint.background.manager import AsyncCheckpointer, AsyncConfig
     from tests.ckpt_helpers import make_mgr
 
     cfg = make_mgr(tmp_path).config
@@ -144,7 +144,7 @@ def test_saver_reads_requests_in_a_batch_thread_and_writes_in_normal_ones(tmp_pa
     (SCHED_BATCH); its workers and writer threads, woken by their I/O, are normal threads."""
     import torch
 
-    from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
+    from ftkit.checkpoint.background.manager import AsyncCheckpointer, AsyncConfig
     from tests.ckpt_helpers import make_mgr
 
     mgr = AsyncCheckpointer(make_mgr(tmp_path).config, async_config=AsyncConfig(crash_safe=True))
@@ -164,7 +164,7 @@ def test_saver_reads_requests_in_a_batch_thread_and_writes_in_normal_ones(tmp_pa
 def test_saver_killed_is_reported_not_silent(tmp_path):
     import torch
 
-    from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
+    from ftkit.checkpoint.background.manager import AsyncCheckpointer, AsyncConfig
     from ftkit.errors import CheckpointError
     from tests.ckpt_helpers import make_mgr
 
@@ -219,7 +219,7 @@ def test_ftkit_requeue_waits_for_the_saver_rescuing_a_dead_trainer(tmp_path):
 
 
 def test_saver_ignores_a_malformed_command_and_keeps_serving(tmp_path, caplog):
-    from ftkit.checkpoint._saver import Channel, Saver
+    from ftkit.checkpoint.crashsafe.saver import Channel, Saver
 
     r, w = os.pipe()
     answers: list[bytes] = []
@@ -240,8 +240,8 @@ def test_segment_lock_a_read_waits_for_a_live_writer_and_a_write_for_a_read(tmp_
 
     import torch
 
-    from ftkit.checkpoint._async_buffers import layout_of
-    from ftkit.checkpoint._shm import Segment, read_slot
+    from ftkit.checkpoint.background.buffers import layout_of
+    from ftkit.checkpoint.crashsafe.shm import Segment, read_slot
 
     src = torch.arange(1000.0)
     seg = Segment(tmp_path, "t", 0, 1, layout_of([("w", src)]), 0)
@@ -278,7 +278,7 @@ def trainer(mode: str, root: str, mb: int) -> None:
     import torch
 
     from ftkit.checkpoint import CheckpointConfig
-    from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
+    from ftkit.checkpoint.background.manager import AsyncCheckpointer, AsyncConfig
 
     n = mb * (1 << 20) // 8
     state = {"a": torch.zeros(n), "b": torch.zeros(n), "extra": {"step": 0}}

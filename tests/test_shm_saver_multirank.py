@@ -310,7 +310,7 @@ def _setup():
 
 
 def _saver_children() -> int:
-    from ftkit.checkpoint._saver_args import SAVER_MODULE
+    from ftkit.checkpoint.crashsafe.args import SAVER_MODULE
 
     me = str(os.getpid())
     count = 0
@@ -329,7 +329,7 @@ def snap_main(a) -> None:
     import torch
 
     from ftkit.checkpoint import CheckpointConfig, validate_dir
-    from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
+    from ftkit.checkpoint.background.manager import AsyncCheckpointer, AsyncConfig
     from tests.ckpt_helpers import build_state
     from tests.test_async_multirank import _train_step
 
@@ -391,7 +391,7 @@ def nodes_main(a) -> None:
     import torch
 
     from ftkit.checkpoint import CheckpointConfig
-    from ftkit.checkpoint._async import AsyncCheckpointer, AsyncConfig
+    from ftkit.checkpoint.background.manager import AsyncCheckpointer, AsyncConfig
     from tests.ckpt_helpers import build_state
     from tests.test_async_multirank import _train_step
 

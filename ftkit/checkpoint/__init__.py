@@ -8,23 +8,34 @@ Three lines in a training loop::
 
 This package imports torch only when a torch-using name is first touched, so listing and
 validating checkpoints (``ftkit ls``, ``ftkit verify``) never import it.
+
+Where things are (docs/architecture.md has the whole data flow)::
+
+    config.py, protocol.py   settings; what the controller uses of a manager; make_manager
+    manager.py               Checkpointer: the synchronous manager (snapshot, persist, resume)
+    dcp.py, dcp_reader.py    sharded state through torch.distributed.checkpoint
+    format/                  layout, manifest, the one commit protocol, retention, pins (no torch)
+    io/                      direct I/O, durable checksummed files, the reader, the state file
+    state/                   the state walk, snapshot and restore, the world-size rule, the sampler
+    background/              AsyncCheckpointer: host buffers, the thread writer, multi-rank commit
+    crashsafe/               shared-memory slots and the per-node saver process
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._async_config import AsyncConfig
-from ._config import CheckpointConfig, CheckpointInfo
-from ._manifest import validate_dir
-from ._pins import pin_checkpoint, unpin_checkpoint
-from ._protocol import CheckpointManager, load_manager_class, make_manager
+from .background.config import AsyncConfig
+from .config import CheckpointConfig, CheckpointInfo
+from .format.manifest import validate_dir
+from .format.pins import pin_checkpoint, unpin_checkpoint
+from .protocol import CheckpointManager, load_manager_class, make_manager
 
 if TYPE_CHECKING:
-    from ._async import AsyncCheckpointer
-    from ._manager import Checkpointer
-    from ._sampler import ResumableSampler
-    from ._state import Snapshot, take_snapshot
+    from .background.manager import AsyncCheckpointer
+    from .manager import Checkpointer
+    from .state.sampler import ResumableSampler
+    from .state.snapshot import Snapshot, take_snapshot
 
 __all__ = [
     "AsyncCheckpointer",
@@ -44,11 +55,11 @@ __all__ = [
 ]
 
 _LAZY = {
-    "AsyncCheckpointer": "._async",
-    "Checkpointer": "._manager",
-    "ResumableSampler": "._sampler",
-    "Snapshot": "._state",
-    "take_snapshot": "._state",
+    "AsyncCheckpointer": ".background.manager",
+    "Checkpointer": ".manager",
+    "ResumableSampler": ".state.sampler",
+    "Snapshot": ".state.snapshot",
+    "take_snapshot": ".state.snapshot",
 }
 
 

@@ -107,7 +107,7 @@ def _dump(infos) -> None:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     from ..checkpoint import validate_dir
-    from ..checkpoint._layout import list_step_dirs
+    from ..checkpoint.format import list_step_dirs
 
     root, job = _root(args.jobdir)
     infos = [validate_dir(p) for _, p in list_step_dirs(root)]
@@ -136,7 +136,7 @@ def _progress(items: list[Any], what: str, *, quiet: bool) -> Any:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from ..checkpoint import validate_dir
-    from ..checkpoint._layout import MANIFEST, SENTINEL, list_step_dirs, parse_step
+    from ..checkpoint.format import MANIFEST, SENTINEL, list_step_dirs, parse_step
 
     path = args.path.expanduser().absolute()
     if parse_step(path.name) is not None and (

@@ -67,7 +67,7 @@ def _request(path: Path) -> dict[str, Any]:
 def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
     """Everything ``ftkit status`` shows, as plain data (also its ``--json`` output)."""
     from ..checkpoint import validate_dir
-    from ..checkpoint._layout import list_step_dirs
+    from ..checkpoint.format import list_step_dirs
     from ..control.hangs import culprit
     from ..events import read_events
     from ..jobdir import JobDir

@@ -57,9 +57,9 @@ class AgreementConfig:
 
     every: int = 10
     """Run the agreement collective every this many steps (and at the first check). A trigger
-    is acted on within ``every`` steps. One collective costs about 0.1-1 ms on gloo (0.8 ms
-    for 2 ranks on a 2-core machine) and a device synchronisation on NCCL: raise ``every``
-    when steps are very short (``benchmarks/check_overhead.py`` measures it)."""
+    is acted on within ``every`` steps. One collective costs a small all-reduce on gloo and a
+    device synchronisation on NCCL: raise ``every`` when steps are very short
+    (``benchmarks/check_overhead.py`` measures it; docs/benchmarks.md has the figures)."""
 
     device: str | None = None
     """Device for the agreement tensor; None picks ``cuda`` for NCCL, ``cpu`` otherwise."""

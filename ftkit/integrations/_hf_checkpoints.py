@@ -9,7 +9,7 @@ Pure file work (no torch, no transformers), so resuming and listing stay cheap.
         manifest.json               ftkit's commit proof: size + CRC-32 of every file
 
 The format of ``manifest.json`` is ftkit's own (``docs/format.md``); ``kind`` is ``hf``. The
-commit and the deletions are ftkit's one commit protocol (``ftkit.checkpoint._commit``); only
+commit and the deletions are ftkit's one commit protocol (``ftkit.checkpoint.format.commit``); only
 what is particular to Trainer's directories is here (marking one Trainer writes in place,
 collecting the files it wrote).
 """
@@ -27,10 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import CheckpointInfo, validate_dir
-from ..checkpoint._commit import mark_incomplete, seal
-from ..checkpoint._commit import retain as retain_dirs
-from ..checkpoint._files import crc32_file, fsync_dir, fsync_file
-from ..checkpoint._layout import MANIFEST, SENTINEL, list_step_dirs
+from ..checkpoint.format import MANIFEST, SENTINEL, list_step_dirs, mark_incomplete, seal
+from ..checkpoint.format import retain as retain_dirs
+from ..checkpoint.io.files import crc32_file, fsync_dir, fsync_file
 from ..errors import CheckpointError
 
 __all__ = [
@@ -73,7 +72,7 @@ def inspect(path: str | os.PathLike[str], *, checksums: bool = False) -> Checkpo
 
 
 def _manifest_step(path: Path) -> int | None:
-    from ..checkpoint._manifest import read_manifest
+    from ..checkpoint.format import read_manifest
 
     try:
         return int(read_manifest(path)["step"])
@@ -155,7 +154,7 @@ def commit(
     clock=time.time,
 ) -> CheckpointInfo:
     """Seal a directory Trainer has finished writing: fsync every file and directory, then
-    :func:`ftkit.checkpoint._commit.seal` (``manifest.json`` with sizes + CRC-32 last, then the
+    :func:`ftkit.checkpoint.format.commit.seal` (``manifest.json`` with sizes + CRC-32 last, then the
     sentinel removed; no ``latest`` hint). Raises CheckpointError if it cannot."""
     path = Path(path)
     try:
@@ -200,8 +199,8 @@ def retain(
     protect: Collection[str | os.PathLike[str]] = (),
     events: Any = None,
 ) -> list[Path]:
-    """Delete ``checkpoint-N`` directories through ftkit's retention (``ftkit.checkpoint._commit``,
-    its plan in ``ftkit.checkpoint._retention``): the newest ``keep_last`` valid ones and the newest valid
+    """Delete ``checkpoint-N`` directories through ftkit's retention (``ftkit.checkpoint.format.commit``,
+    its plan in ``ftkit.checkpoint.format.retention``): the newest ``keep_last`` valid ones and the newest valid
     one always stay, incomplete leftovers go once a newer valid one exists. ``protect`` (e.g.
     Trainer's best-model checkpoint) is never deleted. Returns what was deleted."""
     root = Path(output_dir)

@@ -200,7 +200,7 @@ def finish_run(
     the outcome in the events log.
 
     A ``crash_safe`` saver still persisting a dead trainer's snapshot is waited for (up to
-    ``saver_wait`` seconds, see :mod:`ftkit.slurm.savers`): its checkpoint counts as progress,
+    ``saver_wait`` seconds, see :mod:`ftkit.checkpoint.crashsafe.find`): its checkpoint counts as progress,
     and the batch step, whose processes SLURM kills when the script ends, must outlive it.
 
     ``runs.json`` is written before ``scontrol requeue``, which ends this batch script.
@@ -208,7 +208,7 @@ def finish_run(
     ``dry_run`` decides and reports only.
     """
     env = env if env is not None else SlurmEnv.from_env()
-    from .savers import wait_for_savers
+    from ..checkpoint.crashsafe.find import wait_for_savers
 
     job = JobDir.of(jobdir)
     if exit_code == EXIT_JOBDIR_BUSY or (job.root.is_dir() and lease_refused(list(read_events(job.events)), env)):

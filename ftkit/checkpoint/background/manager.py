@@ -12,7 +12,7 @@
 Rules:
 
 * **Stall.** ``save``/``on_step`` copy the state into reused host buffers (pinned, side stream
-  and event on CUDA; see ``_async_buffers``) and return; ``Checkpointer.persist`` (the full
+  and event on CUDA; see ``background.buffers``) and return; ``Checkpointer.persist`` (the full
   commit protocol) runs on a worker thread, or in the saver process with ``crash_safe``.
 * **Bound.** At most ``max_in_flight`` snapshots accepted but not yet durable. A save beyond
   that *waits* for the oldest to become durable (no coalescing: every save asked for is
@@ -29,7 +29,7 @@ Rules:
   worker or saver. An interpreter exiting without ``close`` runs it from ``atexit``.
 * **Several ranks** (``world_size > 1``): each rank snapshots in the loop without any collective,
   its worker (a thread, or with ``crash_safe`` the node's saver process) writes the rank's part and
-  a confirmation file, and rank 0's worker commits once every rank confirmed (``_async_commit``).
+  a confirmation file, and rank 0's worker commits once every rank confirmed (``background.commit``).
   Construction is collective (the ranks agree on a run id and learn who shares a node); ``wait`` is collective: every rank drains its own worker (rank 0's
   includes the commit), then the ranks exchange their outcomes, so each returns only once the
   checkpoint is committed and raises if any rank's part or the commit failed.
@@ -46,13 +46,13 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import CheckpointError, ConfigError
-from ._async_buffers import Copier, flatten
-from ._async_config import AsyncConfig
-from ._config import CheckpointConfig, CheckpointInfo
-from ._layout import step_name
-from ._manager import Checkpointer
-from ._protocol import CheckpointManager
+from ...errors import CheckpointError, ConfigError
+from ..config import CheckpointConfig, CheckpointInfo
+from ..format.layout import step_name
+from ..manager import Checkpointer
+from ..protocol import CheckpointManager
+from .buffers import Copier, flatten
+from .config import AsyncConfig
 
 __all__ = ["AsyncCheckpointer", "AsyncConfig"]
 
@@ -95,11 +95,11 @@ class AsyncCheckpointer(CheckpointManager):
         if self._distributed:
             run_id, hosts = self._agree()
             if self.async_config.crash_safe:
-                from ._saver_client import NodePlan
+                from ..crashsafe.client import NodePlan
 
                 node = NodePlan.from_ranks(rank, run_id, hosts)
             else:
-                from ._async_commit import RankCommit
+                from .commit import RankCommit
 
                 persister = RankCommit(self.checkpointer, run_id=run_id, timeout=self.async_config.commit_timeout)
         self._clock = clock
@@ -115,12 +115,12 @@ class AsyncCheckpointer(CheckpointManager):
         self.last_durable_step: int | None = None
         copier = Copier()
         if self.async_config.crash_safe:
-            from ._saver_client import ShmBackend
+            from ..crashsafe.client import ShmBackend
 
             self._backend: Any = ShmBackend(config, self.async_config, len(self._slots), self._done, copier,
                                             events=events, rank=rank, node=node)
         else:
-            from ._async_thread import ThreadBackend
+            from .thread import ThreadBackend
 
             self._backend = ThreadBackend(persister, len(self._slots), self._done, copier)
         atexit.register(self._at_exit)
@@ -274,8 +274,8 @@ class AsyncCheckpointer(CheckpointManager):
     ) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
         if not self._distributed:
             return flatten(state, found=found)
-        from ._async_plan import plan_sharded
-        from ._dcp import sharded_keys
+        from ..dcp import sharded_keys
+        from .plan import plan_sharded
 
         keys = sharded_keys(state)
         skeleton, tensors = flatten(state, exclude=keys, found=found)

@@ -3,7 +3,7 @@
 A resume reads every byte of its files from a cold page cache. Read through the page cache, a
 file costs the kernel a fresh page for every 4 KiB plus a copy out of it, and a separate CRC
 pass before ``torch.load`` reads the file a second time (from memory if it stayed cached).
-Here a file is read with ``O_DIRECT`` (:func:`._direct.open_direct_read`; through the page
+Here a file is read with ``O_DIRECT`` (:func:`ftkit.checkpoint.io.direct.open_direct_read`; through the page
 cache with sequential read-ahead advice where the filesystem refuses it) in
 :data:`CHUNK`-byte pieces, :data:`DEPTH` of them in flight on helper threads so that the device
 always has the next request queued, and the CRC-32 of each piece is taken in file order as soon
@@ -13,11 +13,11 @@ verification pass of its own.
 Two destinations:
 
 * :func:`read_file` reads the whole file into fresh page-aligned memory
-  (:func:`._direct.read_buffer`) and returns it only once size and CRC-32 matched the manifest:
-  the caller parses it in place (:func:`._single.read_state_file`) and nothing from a corrupt
+  (:func:`ftkit.checkpoint.io.direct.read_buffer`) and returns it only once size and CRC-32 matched the manifest:
+  the caller parses it in place (:func:`ftkit.checkpoint.io.statefile.read_state_file`) and nothing from a corrupt
   file ever reaches a live object;
 * :func:`check_file` only checksums, through a few reused staging buffers
-  (:func:`._direct.take_stage`): validating a file another process reads, or one a library
+  (:func:`ftkit.checkpoint.io.direct.take_stage`): validating a file another process reads, or one a library
   reads by itself (DCP's), without holding it in memory. ``cache=True`` reads it through the
   page cache instead, so that the library's read that follows on this node finds it there;
 * :func:`scatter_file` reads through the same reused staging buffers and copies each piece,
@@ -27,7 +27,7 @@ Two destinations:
   zeroed page per 4 KiB the first time it is written, about as long as the disk takes to
   read it here; memory that is already in use costs only the copy. The bytes reach the
   caller's memory before the CRC-32 of the whole file is known: a caller that cannot afford
-  a corrupt file's bytes there must not use it (:mod:`._manager` uses it only when an
+  a corrupt file's bytes there must not use it (:mod:`ftkit.checkpoint.manager` uses it only when an
   older checkpoint is there to fall back on, which overwrites them).
 """
 
@@ -41,8 +41,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ._direct import BLOCK, open_direct_read, read_buffer, take_stage
-from ._files import CHECKSUM, crc32
+from .direct import BLOCK, open_direct_read, read_buffer, take_stage
+from .files import CHECKSUM, crc32
 
 __all__ = ["CHUNK", "DEPTH", "FileProblem", "check_file", "read_file", "scatter_file"]
 

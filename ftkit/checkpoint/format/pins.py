@@ -6,9 +6,9 @@ import contextlib
 import os
 from pathlib import Path
 
-from ..errors import CheckpointError
-from ._files import fsync_dir
-from ._layout import PIN, is_real_dir, step_name
+from ...errors import CheckpointError
+from ..io.files import fsync_dir
+from .layout import PIN, is_real_dir, step_name
 
 __all__ = ["pin_checkpoint", "unpin_checkpoint"]
 

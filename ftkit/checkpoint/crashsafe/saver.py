@@ -1,12 +1,12 @@
 """The saver process: one per node, it persists the snapshots its ranks keep in shared memory
 and outlives a crashed trainer.
 
-Started by the node's first rank (the *leader*, ``ShmBackend`` in ``_saver_client``) as::
+Started by the node's first rank (the *leader*, ``ShmBackend`` in ``crashsafe.client``) as::
 
-    python -m ftkit.checkpoint._saver --config JSON --trainer-pid PID --ranks R,R,...
+    python -m ftkit.checkpoint.crashsafe.saver --config JSON --trainer-pid PID --ranks R,R,...
         [--world-size W --run-id ID --socket PATH --commit-timeout S --events FILE]
 
-(:class:`._saver_args.SaverArgs` builds and parses these; ``--config`` is every
+(:class:`ftkit.checkpoint.crashsafe.args.SaverArgs` builds and parses these; ``--config`` is every
 ``CheckpointConfig`` field.)
 
 Channels. The leader talks over the saver's stdin and (original) stdout; every other rank of the
@@ -19,7 +19,7 @@ node connects to the Unix socket ``PATH`` (mode 0600, the peer's uid is checked)
 * ``{"op": "close"}``  the rank is done; answered ``{"op": "closed"}``
 
 Persists run on one worker thread per rank: ``Checkpointer.persist`` for a one-rank job, else
-``RankCommit.persist`` (each rank's part, rank 0 commits; see ``_async_commit``), the very commit
+``RankCommit.persist`` (each rank's part, rank 0 commits; see ``background.commit``), the very commit
 protocol of a save on a trainer thread. The ranks of one node thus share one process, and rank 0's
 commit, waiting for the other parts, never blocks them.
 
@@ -30,7 +30,7 @@ forked child, e.g. a DataLoader worker, may hold the channel open).
   of this node holds a COMPLETE snapshot is persisted for each rank that has not asked for it
   already (unless that step is already a valid checkpoint). It starts at once, not when the last
   rank is gone: under SLURM the end of a step's last task gets every process of the step killed.
-  The snapshots of ranks still alive are read under the segment's lock (``_shm``).
+  The snapshots of ranks still alive are read under the segment's lock (``crashsafe.shm``).
 * Once every rank has closed or is gone (a rank that never connected within
   ``--connect-timeout`` counts as gone), the workers finish what they were given (a persist in
   flight when its trainer died completes), every segment and the socket are unlinked, and the
@@ -62,8 +62,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .._proc import proc_start
-from ._saver_args import SaverArgs
+from ..._proc import proc_start
+from .args import SaverArgs
 
 log = logging.getLogger("ftkit.checkpoint.saver")
 
@@ -173,8 +173,8 @@ class Saver:
             log.warning("saver: unknown command %r ignored", op)
 
     def mapping(self, path: Path) -> Any:
-        """The saver's :class:`~ftkit.checkpoint._shm.SlotMap` of segment ``path`` (kept across persists)."""
-        from ._shm import SlotMap
+        """The saver's :class:`~ftkit.checkpoint.crashsafe.shm.SlotMap` of segment ``path`` (kept across persists)."""
+        from .shm import SlotMap
 
         with self._maps_lock:
             found = self._maps.get(path)
@@ -204,8 +204,8 @@ class Saver:
 
     def persist(self, rank: int, path: Path | None, seq: int | None, step: int, *, pin: bool, reason: str | None,
                 writer_alive: Any = lambda: False) -> Any:
-        from ..errors import CheckpointError
-        from ._async_buffers import host_snapshot
+        from ...errors import CheckpointError
+        from ..background.buffers import host_snapshot
         try:
             view = self.mapping(path).read(seq=seq, writer_alive=writer_alive) if path is not None else None
         except FileNotFoundError:
@@ -304,9 +304,9 @@ class Saver:
     def rescue(self) -> None:
         """Persist the newest step every rank of this node holds complete in shared memory (module doc)."""
         self.rescued = True
-        from ._layout import step_name
-        from ._manifest import validate_dir
-        from ._shm import COMPLETE, read_header
+        from ..format.layout import step_name
+        from ..format.manifest import validate_dir
+        from .shm import COMPLETE, read_header
 
         gone = sorted(r for r in self.ranks if r not in self.channels or self.channels[r].state == "gone")
         missing = [r for r in self.ranks if r not in self.channels]
@@ -379,8 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     ranks = list(args.ranks)
     listener = _listen(args.socket) if args.socket is not None else None  # before the slow imports
 
-    from ._manager import Checkpointer
-    from ._shm import huge_pages
+    from ..manager import Checkpointer
+    from .shm import huge_pages
 
     config = args.config
     # 4 KiB tmpfs pages may be scattered: copy them through the writer's huge-page staging
@@ -390,12 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     for rank in ranks:
         events = None
         if args.events is not None:
-            from ..events import EventLog
+            from ...events import EventLog
 
             events = EventLog(args.events, rank=rank)
         ckpt = Checkpointer(config, events=events, rank=rank, world_size=args.world_size, bounce=bounce)
         if args.world_size > 1:
-            from ._async_commit import RankCommit
+            from ..background.commit import RankCommit
 
             persisters[rank] = RankCommit(ckpt, run_id=args.run_id, timeout=args.commit_timeout)
         else:
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     saver = Saver(persisters, ranks=ranks, leader=leader, root=config.root, listener=listener,
                   socket_path=args.socket, connect_timeout=args.connect_timeout)
     # This thread, which reads the trainers' requests, is a batch task: woken by a request it
-    # does not preempt the trainer on that CPU (which otherwise lost 3-5 ms of a save() here).
+    # does not preempt the trainer on that CPU (which otherwise lost milliseconds of a save()).
     # Only this thread: the workers (started above) and their writer threads keep the normal
     # policy, since a batch thread woken by its I/O completing waits for the next tick.
     with contextlib.suppress(AttributeError, OSError):  # Linux only; a hint elsewhere

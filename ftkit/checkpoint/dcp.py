@@ -39,12 +39,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..errors import CheckpointError
-from ._files import CHECKSUM, crc32_file, fsync_dir
-from ._layout import DCP_DIR
-from ._load import match_keys
-from ._state import clone_tensors
+from .format.layout import DCP_DIR
+from .io.files import CHECKSUM, crc32_file, fsync_dir
+from .state.keys import match_keys
+from .state.snapshot import clone_tensors
 
 __all__ = [
+    "live_state_dicts",
     "load_full",
     "load_sharded",
     "save_sharded",
@@ -72,7 +73,7 @@ def _owner(state: Mapping[str, Any], key: str, opt: torch.optim.Optimizer) -> to
     )
 
 
-def _live_state_dicts(
+def live_state_dicts(
     state: Mapping[str, Any], keys: frozenset[str], options: StateDictOptions
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -87,7 +88,7 @@ def _live_state_dicts(
 
 def snapshot_sharded(state: Mapping[str, Any], keys: frozenset[str]) -> tuple[dict[str, Any], int]:
     """This rank's shards of ``keys``, copied into CPU memory."""
-    sd = clone_tensors(_live_state_dicts(state, keys, StateDictOptions(cpu_offload=True)))
+    sd = clone_tensors(live_state_dicts(state, keys, StateDictOptions(cpu_offload=True)))
     nbytes = 0
     stack: list[Any] = [sd]
     while stack:
@@ -141,10 +142,10 @@ def load_sharded(
     ``no_dist``: one process, no collectives (no process group needed); DCP reads every
     tensor whole from however many shards the saving ranks wrote. ``reader``: the storage
     reader (``dcp.FileSystemReader`` of ``directory/dcp`` when None; see
-    :class:`._dcp_reader.StreamingReader`).
+    :class:`ftkit.checkpoint.dcp_reader.StreamingReader`).
     """
     options = StateDictOptions()
-    target = _live_state_dicts(state, keys, options)
+    target = live_state_dicts(state, keys, options)
     with warnings.catch_warnings():  # no_dist is what we mean, not a fallback to warn about
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load(
@@ -198,7 +199,7 @@ def load_full(state: Mapping[str, Any], keys: frozenset[str], saved: Mapping[str
     their parameters, and the optimizer's are cloned first (an optimizer keeps what it is given).
     """
     options = StateDictOptions(full_state_dict=True)
-    live = _live_state_dicts(state, keys, StateDictOptions())
+    live = live_state_dicts(state, keys, StateDictOptions())
     sds: dict[str, Any] = {}
     for key in sorted(keys):
         if isinstance(state[key], torch.nn.Module):

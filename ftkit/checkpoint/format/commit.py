@@ -1,7 +1,7 @@
 """The commit protocol: the one owner of a checkpoint directory's lifecycle. Pure file work, no torch.
 
 Every write path commits through here: the synchronous manager (one rank, or several over DCP),
-its background thread, the multi-rank commit over files (``_async_commit``), the crash-safe saver
+its background thread, the multi-rank commit over files (``background.commit``), the crash-safe saver
 (through those two) and the Hugging Face integration (``checkpoint-N`` directories).
 
 1. **prepare** (:meth:`Committer.prepare`): ``step-N/`` is created with the
@@ -17,8 +17,8 @@ its background thread, the multi-rank commit over files (``_async_commit``), the
    ``os.replace``) and an fsync of the root for the step directory's own entry.
 4. **abandon** (:meth:`Committer.abandon`): a failed save's directory stays marked incomplete and
    is deleted before the next save; **delete** (:func:`delete`, through
-   :func:`._retention.delete_checkpoint`): the sentinel first, never outside the root.
-5. **retention** (:func:`retain`): :func:`._retention.plan_retention`'s choice, which never takes
+   :func:`ftkit.checkpoint.format.retention.delete_checkpoint`): the sentinel first, never outside the root.
+5. **retention** (:func:`retain`): :func:`ftkit.checkpoint.format.retention.plan_retention`'s choice, which never takes
    the newest valid checkpoint, pinned ones or a step being written.
 """
 
@@ -34,13 +34,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
-from ._config import CheckpointConfig, CheckpointInfo
-from ._files import atomic_write_bytes, fsync_dir
-from ._layout import DCP_DIR, LATEST, PIN, SENTINEL, list_step_dirs, parse_step, step_name
-from ._manifest import build_manifest, validate_dir, write_manifest
-from ._pins import pin_checkpoint
-from ._retention import delete_checkpoint, plan_retention
+from ...errors import CheckpointError
+from ..config import CheckpointConfig, CheckpointInfo
+from ..io.files import atomic_write_bytes, fsync_dir
+from .layout import DCP_DIR, LATEST, PIN, SENTINEL, list_step_dirs, parse_step, step_name
+from .manifest import build_manifest, validate_dir, write_manifest
+from .pins import pin_checkpoint
+from .retention import delete_checkpoint, plan_retention
 
 __all__ = ["Committer", "delete", "mark_incomplete", "retain", "save_error", "seal"]
 
@@ -133,7 +133,7 @@ def retain(
 def save_error(exc: OSError, step: int, path: Path, progress: Any, nbytes: int) -> CheckpointError:
     """The error of a save whose write failed with ``exc``: what, where, how far, what is left.
 
-    ``progress``: the write's :class:`._single.WriteProgress` (the file being written, bytes so far).
+    ``progress``: the write's :class:`ftkit.checkpoint.io.statefile.WriteProgress` (the file being written, bytes so far).
     """
     name = errno.errorcode.get(exc.errno or 0, "error")
     where = exc.filename or (progress.writer.path if progress.writer else path)

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 __all__ = ["ON_ERROR", "AsyncConfig"]
 

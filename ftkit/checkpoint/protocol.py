@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import CheckpointError, ConfigError
-from ._config import CheckpointConfig, CheckpointInfo
+from .config import CheckpointConfig, CheckpointInfo
 
 __all__ = ["CheckpointManager", "load_manager_class", "make_manager"]
 
@@ -108,7 +108,7 @@ def make_manager(
 ) -> CheckpointManager:
     """The manager ``config`` asks for: the default Checkpointer or ``config.manager``."""
     if config.manager is None:
-        from ._manager import Checkpointer
+        from .manager import Checkpointer
 
         cls: type = Checkpointer
     else:

@@ -21,9 +21,9 @@ import stat
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
-from ..errors import CheckpointError
-from ._config import CheckpointInfo
-from ._layout import SENTINEL, parse_step
+from ...errors import CheckpointError
+from ..config import CheckpointInfo
+from .layout import SENTINEL, parse_step
 
 __all__ = ["delete_checkpoint", "plan_retention"]
 

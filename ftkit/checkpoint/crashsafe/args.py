@@ -1,5 +1,5 @@
 """The crash-safe saver's command line, in one type: built by the trainer, parsed by the saver,
-read back from ``/proc/PID/cmdline`` by ``ftkit requeue`` (``slurm/savers``). No torch.
+read back from ``/proc/PID/cmdline`` by ``ftkit requeue`` (``checkpoint/crashsafe/find``). No torch.
 
 The saver runs as ``python -m`` :data:`SAVER_MODULE` ``ARGS``; :class:`SaverArgs` writes ``ARGS``
 (:meth:`~SaverArgs.to_argv`) and reads them (:meth:`~SaverArgs.from_argv`), so the three
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._config import CheckpointConfig
+from ..config import CheckpointConfig
 
 __all__ = ["SAVER_MODULE", "SaverArgs"]
 
-SAVER_MODULE = "ftkit.checkpoint._saver"
+SAVER_MODULE = "ftkit.checkpoint.crashsafe.saver"
 """What ``python -m`` runs as the saver; also how a saver process is recognised in ``/proc``."""
 
 
@@ -58,7 +58,7 @@ def _parser(cls: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> arg
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SaverArgs:
-    """What the node's leader tells the saver it starts (see ``_saver`` for the protocol)."""
+    """What the node's leader tells the saver it starts (see ``crashsafe.saver`` for the protocol)."""
 
     config: CheckpointConfig
     """The trainer's checkpoint settings, whole: the saver's ``Checkpointer`` writes with them."""

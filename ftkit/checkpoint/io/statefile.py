@@ -7,17 +7,17 @@ which cost a full extra pass over the data in the writing thread; the manifest's
 of the whole file replaces them. The zip CRC fields are therefore 0 (``unzip -t`` complains).
 Should a torch release change the private serializer entry points used for this, the file
 is written with plain ``torch.save`` (same format, zip CRCs filled in, slower). Where the
-filesystem accepts it the file is written with ``O_DIRECT`` (:mod:`._direct`), its tensor
+filesystem accepts it the file is written with ``O_DIRECT`` (:mod:`ftkit.checkpoint.io.direct`), its tensor
 records aligned to 4096 bytes instead of torch's 64.
 
 Reading never unpickles arbitrary objects: weights_only only. The file is read once, at the
-device's sequential speed (:mod:`._reader`: ``O_DIRECT`` into fresh page-aligned memory, several
+device's sequential speed (:mod:`ftkit.checkpoint.io.reader`: ``O_DIRECT`` into fresh page-aligned memory, several
 large reads in flight), with its CRC-32 compared with the manifest as the bytes arrive
-(``verify=True``), and only then parsed, in place: torch's own loader (``_load``, given the
+(``verify=True``), and only then parsed, in place: torch's own loader (``state.keys``, given the
 bytes as the one storage ``torch.load(mmap=True)`` would give it) makes the tensors views of
 the bytes read, so they are neither copied out of the file nor out of the buffer; a flipped
 byte is never parsed. The caller copies out what it keeps
-(:func:`ftkit.checkpoint._state.own_tensors`). Should a torch release change those private
+(:func:`ftkit.checkpoint.state.snapshot.own_tensors`). Should a torch release change those private
 entry points, the buffer is parsed by plain ``torch.load`` (same result, each tensor copied).
 """
 
@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
-from ._direct import BLOCK, address
-from ._files import CHECKSUM, HashingWriter
-from ._reader import FileProblem, Target, read_file, scatter_file
+from ...errors import CheckpointError
+from .direct import BLOCK, address
+from .files import CHECKSUM, HashingWriter
+from .reader import FileProblem, Target, read_file, scatter_file
 
 __all__ = ["FILE_FORMAT", "read_state_file", "read_state_into", "write_state_file"]
 
@@ -130,7 +130,7 @@ def write_state_file(
 
     ``direct``: write with O_DIRECT (``checkpoint.direct_io``: None where the filesystem
     accepts it, True required, False never). ``bounce``: a direct write stages every byte
-    (the crash-safe saver's, whose tensors lie in tmpfs pages; :class:`._direct.DirectFile`)."""
+    (the crash-safe saver's, whose tensors lie in tmpfs pages; :class:`ftkit.checkpoint.io.direct.DirectFile`)."""
     payload = {"format": FILE_FORMAT, "version": 1, **obj}
     # the snapshot's tensors outlive the save: the CRC thread may read them after write returns
     writer = HashingWriter(directory / name, stable=_storage_ranges(payload), writeback=sync, direct=direct,
@@ -153,7 +153,7 @@ def write_state_file(
 
 def _can_parse_in_place() -> bool:
     """Whether this torch has the private pieces ``torch.load`` is made of, as expected: the
-    zip reader over a file object and ``_load`` taking the file's bytes as one storage (what
+    zip reader over a file object and ``state.keys`` taking the file's bytes as one storage (what
     ``torch.load(mmap=True)`` passes it), so that tensors are views of the bytes read."""
     ser = torch.serialization
     try:
@@ -232,14 +232,14 @@ def read_state_file(
 ) -> dict[str, Any]:
     """Load a state file written by :func:`write_state_file` (weights_only, CPU).
 
-    The file is read once (:func:`._reader.read_file`: ``O_DIRECT`` where the filesystem
+    The file is read once (:func:`ftkit.checkpoint.io.reader.read_file`: ``O_DIRECT`` where the filesystem
     accepts it, ``direct`` as ``checkpoint.direct_io``), its CRC-32 checked against ``meta``
     as the bytes arrive when ``verify``, and only then parsed, in place: the payload's tensors
     are views of the bytes read (anonymous memory, not the file), so a corrupt file raises
     :class:`CheckpointError` before anything of it reaches a caller. ``mmap`` is accepted for
     the callers that asked for views of the file: they get views of the read buffer, which
     is freed when the last of them is; the caller copies out what it keeps
-    (:func:`ftkit.checkpoint._state.own_tensors`) so that no kept tensor holds all of it.
+    (:func:`ftkit.checkpoint.state.snapshot.own_tensors`) so that no kept tensor holds all of it.
     """
     del mmap  # every load is in place now; see the docstring
     path = directory / name
@@ -359,12 +359,12 @@ def read_state_into(
     The archive's directory and pickle are read and parsed first (the storages are not read
     yet); ``targets(payload)`` names, by ``id`` of the payload's tensor, the live CPU tensor
     of the same shape and dtype that will take its values. The file then streams through
-    :func:`._reader.scatter_file`: those tensors' bytes go straight into the live tensors
+    :func:`ftkit.checkpoint.io.reader.scatter_file`: those tensors' bytes go straight into the live tensors
     (memory already faulted in: a resume's model and optimizer), the others into fresh
     memory of each tensor's own (not one buffer for all: the load keeps them, an optimizer's
     moments when it has none yet). In the payload returned each tensor is the live tensor or
     its own, and ``payload["owned"]`` is True when none is a view of a shared read buffer
-    (then :func:`._state.own_tensors` has nothing to copy). On :class:`CheckpointError` the
+    (then :func:`ftkit.checkpoint.state.snapshot.own_tensors` has nothing to copy). On :class:`CheckpointError` the
     live tensors may hold the corrupt file's bytes: the caller must have an older checkpoint
     to overwrite them with."""
     path = directory / name

@@ -4,15 +4,15 @@
 pair, from either kind (``single``: one process, everything in ``rank-00000.pt``; ``dcp``:
 several ranks, modules and optimizers in ``dcp/``):
 
-* modules and optimizers (:func:`~._dcp.sharded_keys`) get the full saved state on every
+* modules and optimizers (:func:`~ftkit.checkpoint.dcp.sharded_keys`) get the full saved state on every
   rank: from ``dcp/`` through DCP, which reshards into the live layout (replicated models:
   whole tensors on every rank; FSDP/DTensor: each rank's shards), with or without a process
   group; from a ``single`` checkpoint's ``rank-00000.pt`` on every rank as full state dicts,
   sharded where the live model is. Wrapper prefixes (DDP's ``module.``) do not matter.
 * everything else is per-rank state (``rank-RRRRR.pt``): a rank ``r < W`` loads its own
   file; a rank ``r >= W`` loads rank 0's state and derives its RNG streams from rank 0's and
-  ``r`` (:func:`~._state.derive_rng`); the files of ranks ``W'..W-1`` are not used. Rank 0
-  logs the rule once when the sizes differ. :class:`~._sampler.ResumableSampler` translates
+  ``r`` (:func:`~ftkit.checkpoint.state.snapshot.derive_rng`); the files of ranks ``W'..W-1`` are not used. Rank 0
+  logs the rule once when the sizes differ. :class:`~ftkit.checkpoint.state.sampler.ResumableSampler` translates
   its position into a global one (its ``load_state_dict``).
 
 **Strictness rule.** Every key of the state must be in the checkpoint (as a module or
@@ -29,9 +29,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
-from ._config import CheckpointConfig
-from ._layout import DCP_DIR
+from ...errors import CheckpointError
+from ..config import CheckpointConfig
+from ..format.layout import DCP_DIR
 
 __all__ = ["check_missing", "describe_rule", "is_dcp", "match_keys"]
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 __all__ = ["ResumableSampler"]
 

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .._proc import proc_start
-from ..checkpoint._saver_args import SaverArgs
+from ..._proc import proc_start
+from .args import SaverArgs
 
 __all__ = ["find_savers", "wait_for_savers"]
 

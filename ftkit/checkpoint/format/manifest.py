@@ -4,7 +4,7 @@ A checkpoint directory is valid when: it is a real directory (not a symlink), th
 ``checkpoint-is-incomplete`` sentinel is absent, ``manifest.json`` parses and names this
 step, and every file it lists exists with the recorded size. ``checksums=True`` also
 recomputes each file's CRC-32 and compares it with the manifest (:func:`verify_files`: each
-file read once, at the device's speed, by :mod:`._reader`).
+file read once, at the device's speed, by :mod:`ftkit.checkpoint.io.reader`).
 
 With several ranks a load checks each file once, not once per rank (:func:`verify_share`):
 a rank's own state file is checked by the rank that reads it, as it reads it; the DCP files
@@ -23,10 +23,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ._config import CheckpointInfo
-from ._files import CHECKSUM, atomic_write_bytes
-from ._layout import MANIFEST, PIN, SENTINEL, parse_step
-from ._reader import FileProblem, check_file
+from ..config import CheckpointInfo
+from ..io.files import CHECKSUM, atomic_write_bytes
+from ..io.reader import FileProblem, check_file
+from .layout import MANIFEST, PIN, SENTINEL, parse_step
 
 __all__ = [
     "FORMAT",
@@ -45,7 +45,7 @@ VERSION = 1
 @functools.cache
 def _versions() -> tuple[str, str]:
     """ftkit's and torch's versions, looked up once per process (``metadata.version`` scans
-    ``sys.path``: ~1.5 ms per save here, more where it lies on a network filesystem)."""
+    ``sys.path``, a cost on every save, larger where it lies on a network filesystem)."""
     from importlib import metadata
 
     try:
@@ -110,7 +110,7 @@ def verify_files(
 ) -> str:
     """Recompute the CRC-32 of ``names`` (default: all files); return "" or the first problem.
 
-    Each file is read once (:func:`._reader.check_file`): with ``O_DIRECT`` into reused
+    Each file is read once (:func:`ftkit.checkpoint.io.reader.check_file`): with ``O_DIRECT`` into reused
     buffers, or with ``cache=True`` through the page cache, for files that a reader on this
     node (DCP's) reads right after, which then finds them in memory."""
     for name in sorted(files) if names is None else names:

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
-from ._direct import aligned_like
+from ...errors import CheckpointError
+from ..io.direct import aligned_like
 
 __all__ = [
     "Ref",
@@ -357,7 +357,7 @@ def live_targets(state: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[int
     into a live tensor, that live tensor, by ``id`` of the saved one: a module's parameters
     and buffers (by state-dict key), the tensors of a stateful object's ``state_dict()``
     (an optimizer's moments), a live tensor of the same shape and dtype. A loader may read
-    the saved values straight into them (:func:`._single.read_state_into`)."""
+    the saved values straight into them (:func:`ftkit.checkpoint.io.statefile.read_state_into`)."""
     out: dict[int, torch.Tensor] = {}
 
     def walk(live: Any, saved: Any) -> None:

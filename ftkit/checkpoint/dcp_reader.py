@@ -3,7 +3,7 @@
 ``dcp.FileSystemReader`` reads every item of a ``.distcp`` file by itself through a buffered
 stream and ``torch.load``s it: each tensor lands in fresh memory, is copied into the tensor
 DCP resolved for it, and ftkit had read the same file once before to check its CRC-32. Here
-:class:`StreamingReader` reads each file the load needs with :func:`._reader.scatter_file`:
+:class:`StreamingReader` reads each file the load needs with :func:`ftkit.checkpoint.io.reader.scatter_file`:
 once, with ``O_DIRECT``, through reused staging buffers, the CRC-32 compared with the
 manifest as the pieces arrive; each tensor item's bytes go straight into the tensor DCP
 resolved for it (the live model's and optimizer's memory), so no fresh memory is faulted in
@@ -20,7 +20,7 @@ with storage transforms (DCP's extensions) are read by ``FileSystemReader`` itse
 
 The live tensors hold a file's bytes before its CRC-32 is known: a corrupt file raises
 :class:`CorruptFile` (DCP hands it to every rank in a ``CheckpointException``) after they
-were written, so :mod:`._manager` uses this reader only with an older checkpoint to fall
+were written, so :mod:`ftkit.checkpoint.manager` uses this reader only with an older checkpoint to fall
 back on, whose load overwrites them.
 """
 
@@ -42,9 +42,9 @@ from torch.futures import Future
 from torch.serialization import _weights_only_unpickler
 
 from ..errors import CheckpointError
-from ._layout import DCP_DIR
-from ._reader import FileProblem, Target, check_file, scatter_file
-from ._single import archive_records, tensor_memory
+from .format.layout import DCP_DIR
+from .io.reader import FileProblem, Target, check_file, scatter_file
+from .io.statefile import archive_records, tensor_memory
 
 __all__ = ["CorruptFile", "StreamingReader", "corrupt_file_in"]
 

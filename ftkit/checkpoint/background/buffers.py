@@ -1,6 +1,6 @@
 """Copy training state into reused host buffers: the only part of an async save the loop waits for.
 
-``flatten`` (:mod:`._state`, the one walk that ``take_snapshot`` uses too: stateful objects
+``flatten`` (:mod:`ftkit.checkpoint.state.snapshot`, the one walk that ``take_snapshot`` uses too: stateful objects
 become their ``state_dict()``, RNG states included) copies nothing: it returns a *skeleton*
 (the structure with every tensor replaced by a :class:`Ref`) and the list of live tensors.
 ``Copier.copy`` (or a :class:`CopyBatch`, one tensor at a time) then ``copy_``-es each live
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from ._direct import aligned_like
-from ._state import Ref, Snapshot, flatten, materialize
+from ..io.direct import aligned_like
+from ..state.snapshot import Ref, Snapshot, flatten, materialize
 
 __all__ = ["BufferSet", "Copier", "CopyBatch", "Ref", "flatten", "layout_of", "materialize"]
 
@@ -47,7 +47,7 @@ class BufferSet:
 
     Pinned buffers (``pin=True``, only when CUDA is available) make device-to-host copies
     asynchronous; other buffers from 64 KiB up start on a page, so that the persist writes them
-    with O_DIRECT without a copy (:mod:`._direct`). ``allocations`` counts buffers ever
+    with O_DIRECT without a copy (:mod:`ftkit.checkpoint.io.direct`). ``allocations`` counts buffers ever
     allocated (tests check it stays flat).
     """
 

@@ -1,11 +1,11 @@
 """Snapshots in shared memory: one segment file per slot under ``/dev/shm``, readable by the saver.
 
-Segment layout (``ftkit-snap-<token>-s<slot>-g<generation>``, mode 0600; see ``_saver_client``)::
+Segment layout (``ftkit-snap-<token>-s<slot>-g<generation>``, mode 0600; see ``crashsafe.client``)::
 
     [0, 4096)                header: magic, version, state, seq, step, skeleton offset/length, data offset
     [4096, data_off)         skeleton: pickled {"skeleton", "tensors": [(offset, dtype, shape)], "nbytes"}
     [data_off, size)         tensor bytes, each at a 64-byte aligned offset, a 4096-byte
-                             aligned one from 64 KiB up (written with O_DIRECT, ``_direct``)
+                             aligned one from 64 KiB up (written with O_DIRECT, ``io.direct``)
 
 Commit rule (the crash guarantee): the trainer sets ``state = WRITING`` before it touches the
 slot, copies the tensors, writes the skeleton and the header fields, and only then sets
@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 
-from .._fs import mount_of
-from ..errors import CheckpointError
-from ._direct import ALIGN_MIN
+from ..._fs import mount_of
+from ...errors import CheckpointError
+from ..io.direct import ALIGN_MIN
 
 __all__ = ["PREFIX", "Segment", "SlotMap", "SlotView", "huge_pages", "read_slot"]
 
@@ -63,7 +63,7 @@ _ALIGN = 64
 def huge_pages(directory: str | os.PathLike[str]) -> bool:
     """Whether files created in ``directory`` get huge pages when their space is reserved: a
     tmpfs mounted with ``huge=always`` or ``huge=within_size``. ``/dev/shm`` is mounted without
-    by default; then the saver bounces its writes (``bounce`` of :class:`._direct.DirectFile`):
+    by default; then the saver bounces its writes (``bounce`` of :class:`ftkit.checkpoint.io.direct.DirectFile`):
     segment pages may be scattered in physical memory."""
     mount = mount_of(directory)
     return (mount is not None and mount.fstype == "tmpfs"
@@ -209,7 +209,7 @@ class SlotMap:
     """Saver side: one segment mapped once (``MAP_POPULATE``) and read at every persist of its slot.
 
     Mapping a segment anew for each persist would fault in (or populate) every page of it each
-    time: ~0.06 s per GiB, ~15% of a persist. ``close`` unmaps and closes (idempotent).
+    time, a noticeable part of every persist. ``close`` unmaps and closes (idempotent).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:

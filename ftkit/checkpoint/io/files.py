@@ -6,8 +6,8 @@ checkpoints and the job-dir writers), re-exported here for the checkpoint module
 The checksum is CRC-32 (zlib's polynomial, stored as 8 lowercase hex digits). It catches
 truncation, torn writes and flipped bits; it is not a defence against deliberate tampering.
 It is computed with ``zlib_ng.crc32`` (the ``zlib-ng`` package, a dependency: carry-less
-multiplication, ~20 GB/s on a 2020s x86 core) when that imports, else with the standard
-library's ``zlib.crc32`` (~4 GB/s). Both give the same value, so a checkpoint written with one
+multiplication, several times the standard library's speed) when that imports, else with
+``zlib.crc32``. Both give the same value, so a checkpoint written with one
 verifies with the other; :data:`CRC_IMPL` says which one this process uses.
 """
 
@@ -22,10 +22,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .._fs import atomic_write, fsync_dir
-from ._direct import address, open_direct
+from ..._fs import atomic_write, fsync_dir
+from .direct import address, open_direct
 
-try:  # the same CRC-32 as zlib's, about 5x faster; releases the GIL like zlib.crc32
+try:  # the same CRC-32 as zlib's, faster; releases the GIL like zlib.crc32
     from zlib_ng.zlib_ng import crc32 as crc32
 
     CRC_IMPL = "zlib-ng"
@@ -90,10 +90,10 @@ class HashingWriter:
     A direct file that stages every byte (``bounce``, the saver's) computes the CRC itself
     instead, each piece right after copying it, while it is in the CPU cache.
 
-    ``direct``: write with ``O_DIRECT`` (:mod:`._direct`), True requires it, None uses it where
+    ``direct``: write with ``O_DIRECT`` (:mod:`ftkit.checkpoint.io.direct`), True requires it, None uses it where
     the filesystem accepts it; :attr:`direct` says whether it is in use. Otherwise the file is
     written through the page cache, with ``writeback`` bounding how much of it a save occupies.
-    ``bounce``: a direct file stages every byte (:class:`._direct.DirectFile`), for sources in
+    ``bounce``: a direct file stages every byte (:class:`ftkit.checkpoint.io.direct.DirectFile`), for sources in
     4 KiB pages that may be scattered in physical memory.
     """
 
@@ -161,8 +161,8 @@ class HashingWriter:
         Pages just written are still dirty, so the range reaches back ``_WRITEBACK_DROP``
         bytes: the pages whose writeback an earlier call started, done by now, are evicted and
         the next writes recycle them. A save thus cycles through a few intervals' worth of page
-        cache instead of taking its whole size in fresh pages, which costs ~2 s/GiB where first
-        touching memory is slow (VMs with free page reporting or ballooning), and it does not
+        cache instead of taking its whole size in fresh pages, which costs more than the write
+        itself where first touching memory is slow (VMs with free page reporting or ballooning), and it does not
         evict other files' cache. Durability still comes from fsync.
         """
         end = self.size

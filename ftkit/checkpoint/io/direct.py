@@ -16,7 +16,7 @@ multiples of the device's logical block size; :data:`BLOCK` (4096) covers the de
   that is written whenever it is full;
 * ``close`` pads the last block with zeros, writes it and truncates the file to its true size.
 
-So a ``torch.save`` archive written with 4096-byte storage alignment (``_single``) from
+So a ``torch.save`` archive written with 4096-byte storage alignment (``io.statefile``) from
 page-aligned buffers (the async snapshot's, :func:`aligned_empty`) sends each tensor's bytes
 without a copy; only the zip headers and the last partial block of each tensor are staged.
 Unaligned sources (a synchronous save of live tensors) are staged in full: one copy into a
@@ -24,10 +24,10 @@ buffer that stays in the CPU cache, as against one into fresh page-cache pages.
 
 How fast the device reads a buffer depends on its physical layout: the block layer merges
 physically adjacent pages into one segment, and scattered 4 KiB pages make many small
-requests. On the development VM an O_DIRECT write of 16 MiB buffers ran at 1.6-1.9 GB/s
-from pages with no physical neighbour and at 3.0-3.4 GB/s from transparent huge pages
-(``benchmarks/direct_sources.py``, which fragments free memory first; a process that has run a
-while holds a mix). So :func:`aligned_empty` maps buffers from 2 MiB up on a 2 MiB boundary
+requests: an O_DIRECT write from pages with no physical neighbour runs at about half the speed
+of one from transparent huge pages (``benchmarks/direct_sources.py``, which fragments free
+memory first, measures it; docs/benchmarks.md has the figures). A process that has run a while
+holds a mix. So :func:`aligned_empty` maps buffers from 2 MiB up on a 2 MiB boundary
 and asks for huge pages (``MADV_HUGEPAGE``; honoured where
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``, a hint
 elsewhere). Its mappings are private and wiped in a forked child (``MADV_WIPEONFORK``): a
@@ -53,7 +53,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 __all__ = [
     "BLOCK",

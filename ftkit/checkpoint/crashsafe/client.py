@@ -1,7 +1,7 @@
 """Trainer side of ``crash_safe``: snapshots in shared-memory slots, persisted by the node's saver.
 
-One saver process per node (``python -m`` :data:`._saver_args.SAVER_MODULE`, its command line
-a :class:`._saver_args.SaverArgs`): the node's first rank (the leader) starts it with
+One saver process per node (``python -m`` :data:`ftkit.checkpoint.crashsafe.args.SAVER_MODULE`, its command line
+a :class:`ftkit.checkpoint.crashsafe.args.SaverArgs`): the node's first rank (the leader) starts it with
 ``subprocess.Popen`` and talks over its stdin/stdout; the node's other ranks connect to its
 Unix socket. A channel's end (or its trainer's death) tells the saver the
 trainer is gone, so it works under plain python, srun and torchrun without a custom launcher. A
@@ -10,7 +10,7 @@ reader thread turns the saver's answers into ``done(seq, step, error, seconds)``
 Clean close: every rank says ``close``; the leader waits for the saver to exit (it waits for every
 rank of the node), then unlinks whatever segment of the node is left. Trainer killed: the saver
 persists the newest snapshot complete on every rank of the node, unlinks the segments and exits
-(see ``_saver``). Segments are named ``ftkit-snap-<leader pid>-<tag>-r<rank>-s<slot>-g<gen>``.
+(see ``crashsafe.saver``). Segments are named ``ftkit-snap-<leader pid>-<tag>-r<rank>-s<slot>-g<gen>``.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from typing import IO, Any
 
 import torch
 
-from ..errors import CheckpointError, ConfigError
-from ._async_buffers import Copier, layout_of, wait_events
-from ._saver_args import SaverArgs
-from ._shm import PREFIX, Segment
+from ...errors import CheckpointError, ConfigError
+from ..background.buffers import Copier, layout_of, wait_events
+from .args import SaverArgs
+from .shm import PREFIX, Segment
 
 __all__ = ["NodePlan", "ShmBackend"]
 

@@ -4,7 +4,7 @@ No collective runs off the main thread; the workers coordinate through files in 
 
 1. Rank 0's worker prepares ``step-N/`` as a synchronous save does (sentinel first, then ``dcp/``),
    then writes this save's id into the sentinel (temp file + ``os.replace``; not fsynced: until
-   the manifest is durable the directory is incomplete, see ``_manager``).
+   the manifest is durable the directory is incomplete, see ``manager``).
 2. Every other rank's worker waits until the sentinel holds the id of *this* save (a leftover of an
    earlier run holds another id, and rank 0 replaces it), so no data file ever precedes the sentinel.
 3. Each rank writes ``rank-RRRRR.pt`` and its DCP shard ``dcp/__R_0.distcp``, fsyncs them and both
@@ -15,11 +15,11 @@ No collective runs off the main thread; the workers coordinate through files in 
 4. Rank 0's worker waits for all ``world_size`` parts of this save while files in the step
    directory keep growing, and fails after ``commit_timeout`` seconds without growth, naming the
    ranks that never confirmed. Then it merges the plans into DCP's ``dcp/.metadata`` and commits
-   through the commit protocol of every write path (:mod:`._commit`: ``manifest.json``, sentinel
+   through the commit protocol of every write path (:mod:`ftkit.checkpoint.format.commit`: ``manifest.json``, sentinel
    removal, fsync, ``latest``, retention): the layout of a synchronous multi-rank save, loaded by
    ``Checkpointer.load``.
 
-The DCP plans the ranks write and rank 0 merges are :mod:`._async_plan`'s.
+The DCP plans the ranks write and rank 0 merges are :mod:`ftkit.checkpoint.background.plan`'s.
 """
 
 from __future__ import annotations
@@ -34,15 +34,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
-from ._async_plan import Resolver, merge_metadata
-from ._commit import save_error
-from ._config import CheckpointInfo
-from ._files import CHECKSUM, atomic_write_bytes, crc32, crc32_file, fsync_dir
-from ._layout import DCP_DIR, SENTINEL, rank_file, step_name
-from ._manifest import validate_dir
-from ._single import WriteProgress, write_state_file
-from ._state import Snapshot
+from ...errors import CheckpointError
+from ..config import CheckpointInfo
+from ..format.commit import save_error
+from ..format.layout import DCP_DIR, SENTINEL, rank_file, step_name
+from ..format.manifest import validate_dir
+from ..io.files import CHECKSUM, atomic_write_bytes, crc32, crc32_file, fsync_dir
+from ..io.statefile import WriteProgress, write_state_file
+from ..state.snapshot import Snapshot
+from .plan import Resolver, merge_metadata
 
 __all__ = ["PART_FORMAT", "RankCommit", "part_name"]
 
@@ -60,7 +60,7 @@ class RankCommit:
     """``persist`` for one rank of several: its part, plus, on rank 0, the commit (module doc).
 
     Wraps the rank's :class:`~ftkit.checkpoint.Checkpointer`: rank 0 prepares, commits and applies
-    retention through its ``commits`` (:class:`._commit.Committer`, the protocol every write path
+    retention through its ``commits`` (:class:`ftkit.checkpoint.format.commit.Committer`, the protocol every write path
     shares). Runs on the rank's checkpoint worker thread.
     """
 

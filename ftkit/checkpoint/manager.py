@@ -14,7 +14,7 @@ Commit protocol of one save (``persist``):
    alike, so nothing is fsynced before the data; five fsyncs per save with one rank.
 5. rank 0 applies retention; every rank returns after a final agreement.
 
-Stages 1, 4 and 5 are the commit protocol every write path shares (:mod:`._commit`, through
+Stages 1, 4 and 5 are the commit protocol every write path shares (:mod:`ftkit.checkpoint.format.commit`, through
 ``self.commits``); this module writes the parts (2) and gathers them (3).
 """
 
@@ -29,16 +29,16 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, NoCheckpointError
-from ._comm import Comm
-from ._commit import Committer, save_error
-from ._config import CheckpointConfig, CheckpointInfo
-from ._layout import DCP_DIR, list_step_dirs, rank_file, step_name
-from ._load import check_missing, describe_rule, is_dcp, match_keys
-from ._manifest import validate_dir, verify_files, verify_share
-from ._pins import pin_checkpoint
-from ._protocol import CheckpointManager
-from ._single import WriteProgress, read_state_file, read_state_into, write_state_file
-from ._state import (
+from .comm import Comm
+from .config import CheckpointConfig, CheckpointInfo
+from .format.commit import Committer, save_error
+from .format.layout import DCP_DIR, list_step_dirs, rank_file, step_name
+from .format.manifest import validate_dir, verify_files, verify_share
+from .format.pins import pin_checkpoint
+from .io.statefile import WriteProgress, read_state_file, read_state_into, write_state_file
+from .protocol import CheckpointManager
+from .state.keys import check_missing, describe_rule, is_dcp, match_keys
+from .state.snapshot import (
     Snapshot,
     derive_rng,
     live_targets,
@@ -80,7 +80,7 @@ class Checkpointer(CheckpointManager):
         self.world_size = world_size
         self.comm = Comm(rank=rank, world_size=world_size, process_group=process_group)
         self.commits = Committer(config, rank=rank, world_size=world_size, clock=clock, emit=self._emit)
-        """The commit protocol of this manager's root (:mod:`._commit`): every save commits through it."""
+        """The commit protocol of this manager's root (:mod:`ftkit.checkpoint.format.commit`): every save commits through it."""
         self._closed = False
         self.loaded: CheckpointInfo | None = None
         """The checkpoint the last ``load`` restored (its ``world_size`` is the saving run's)."""
@@ -104,7 +104,7 @@ class Checkpointer(CheckpointManager):
         """Copy ``state`` and the RNG states into CPU memory (stage 1 of a save)."""
         if not self.comm.distributed:
             return take_snapshot(state)
-        from ._dcp import sharded_keys, snapshot_sharded
+        from .dcp import sharded_keys, snapshot_sharded
 
         keys = sharded_keys(state)
         snap = take_snapshot(state, exclude=keys)
@@ -159,7 +159,7 @@ class Checkpointer(CheckpointManager):
             problem = str(save_error(exc, -1, path, progress, snapshot.nbytes))
         self.comm.all_ok(problem, f"saving {path}")
         if self.comm.distributed:
-            from ._dcp import save_sharded
+            from .dcp import save_sharded
 
             try:
                 files.update(
@@ -248,12 +248,12 @@ class Checkpointer(CheckpointManager):
         return problems[0] if problems else ""
 
     def _try_load(self, state: Mapping[str, Any], path: Path, *, into_live: bool = False) -> str:
-        """Load ``path`` into ``state`` on any number of ranks (``_load``'s world-size rule).
+        """Load ``path`` into ``state`` on any number of ranks (``state.keys``'s world-size rule).
 
         Returns a problem with the files (the checkpoint is skipped); a key of the state the
-        checkpoint lacks raises (``_load``'s strictness rule), before anything is restored.
+        checkpoint lacks raises (``state.keys``'s strictness rule), before anything is restored.
         ``into_live`` (one process, a state file): the file's tensors are read straight into
-        the live tensors that take them (:func:`._single.read_state_into`), so a corrupt file
+        the live tensors that take them (:func:`ftkit.checkpoint.io.statefile.read_state_into`), so a corrupt file
         leaves its bytes there; ``_into_live_used`` says whether that happened.
         """
         self._into_live_used = False
@@ -285,7 +285,7 @@ class Checkpointer(CheckpointManager):
                                           direct=self.config.direct_io)
             available = set(payload["state"])
             if sharded:
-                from ._dcp import saved_keys
+                from .dcp import saved_keys
 
                 available |= saved_keys(path)
         except (CheckpointError, KeyError, OSError, ValueError) as exc:
@@ -302,12 +302,12 @@ class Checkpointer(CheckpointManager):
         rest: dict[str, Any] = live
         saved = payload["state"]
         if sharded or self.comm.distributed:
-            from ._dcp import load_full, load_sharded, sharded_keys
+            from .dcp import load_full, load_sharded, sharded_keys
 
             keys = sharded_keys(live)
             reader = None
             if sharded and into_live:  # each DCP file read once, checked as it arrives, into the live tensors
-                from ._dcp_reader import StreamingReader
+                from .dcp_reader import StreamingReader
 
                 reader = StreamingReader(path / DCP_DIR, info.files, verify=self.config.verify_on_load,
                                          direct=self.config.direct_io, rank=self.rank,
@@ -320,7 +320,7 @@ class Checkpointer(CheckpointManager):
                 else:  # a one-process checkpoint: every rank reads the full state dicts
                     load_full(live, keys, payload["state"], str(path))
             except BaseException as exc:  # DCP's CheckpointException is a BaseException
-                from ._dcp_reader import corrupt_file_in
+                from .dcp_reader import corrupt_file_in
 
                 corrupt = corrupt_file_in(exc) if reader is not None else None
                 if corrupt is not None:  # found during the one read (every rank gets it from DCP)

@@ -6,7 +6,7 @@ weights) is written by rank 0 only; a DTensor shard by the replica at coordinate
 ``Replicate`` mesh dimensions: DCP's ``dedup_save_to_lowest_rank`` choice, made without a gather.
 Rank 0 checks that every item some rank holds was written by one and that each tensor's chunks
 cover it, before it writes the metadata (:func:`merge_metadata`). The plans travel between the
-workers as files (:mod:`._async_commit`).
+workers as files (:mod:`ftkit.checkpoint.background.commit`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
-from ._async_buffers import Ref
+from ...errors import CheckpointError
+from .buffers import Ref
 
 __all__ = ["Resolver", "merge_metadata", "plan_sharded"]
 
@@ -52,11 +52,11 @@ def plan_sharded(
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    from ._dcp import _live_state_dicts
+    from ..dcp import live_state_dicts
 
     planner = DefaultSavePlanner()
     planner.set_up_planner(
-        state_dict=_live_state_dicts(state, keys, StateDictOptions()),
+        state_dict=live_state_dicts(state, keys, StateDictOptions()),
         storage_meta=None,
         is_coordinator=rank == 0,
     )

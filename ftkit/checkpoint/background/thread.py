@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ._async_buffers import BufferSet, Copier, host_snapshot, wait_events
+from .buffers import BufferSet, Copier, host_snapshot, wait_events
 
 __all__ = ["ThreadBackend"]
 
@@ -22,7 +22,7 @@ Done = Callable[[int, int, "BaseException | str | None", float], None]
 
 class ThreadBackend:
     """``slots`` reusable host buffer sets and one worker thread that runs ``checkpointer.persist``
-    (a :class:`~ftkit.checkpoint.Checkpointer`, or with several ranks an ``_async_commit.RankCommit``).
+    (a :class:`~ftkit.checkpoint.Checkpointer`, or with several ranks an ``background.commit.RankCommit``).
 
     The worker is stopped with a sentinel on its queue; every failure it meets goes to
     ``done(seq, step, error, seconds)``, which the AsyncCheckpointer re-raises to the caller.
