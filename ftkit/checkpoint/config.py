@@ -15,6 +15,11 @@ __all__ = ["RESUME_MODES", "CheckpointConfig", "CheckpointInfo"]
 RESUME_MODES = ("auto", "required", "never")
 
 
+def _positive_or_none(name: str, value: object, what: str) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ConfigError(f"checkpoint.{name}: must be {what}, got {value!r}")
+
+
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
     """How and where checkpoints are written, kept and resumed."""
@@ -65,23 +70,10 @@ class CheckpointConfig:
         if not isinstance(self.root, (str, os.PathLike)):
             raise ConfigError(f"checkpoint.root: expected a path, got {self.root!r}")
         self.root = Path(self.root).expanduser()
-        if self.keep_last is not None and (
-            not isinstance(self.keep_last, int)
-            or isinstance(self.keep_last, bool)
-            or self.keep_last < 1
-        ):
-            raise ConfigError(
-                f"checkpoint.keep_last: must be a positive integer or None (keep all), got {self.keep_last!r}"
-            )
-        if self.keep_every is not None and (
-            not isinstance(self.keep_every, int)
-            or isinstance(self.keep_every, bool)
-            or self.keep_every < 1
-        ):
-            raise ConfigError(
-                f"checkpoint.keep_every: must be a positive integer (keep steps that are multiples "
-                f"of it) or None, got {self.keep_every!r}"
-            )
+        _positive_or_none("keep_last", self.keep_last, "a positive integer or None (keep all)")
+        _positive_or_none(
+            "keep_every", self.keep_every, "a positive integer (keep steps that are multiples of it) or None"
+        )
         if self.direct_io not in (None, True, False):
             raise ConfigError(
                 f"checkpoint.direct_io: must be None (where the filesystem accepts it), true or "
