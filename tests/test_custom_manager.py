@@ -76,3 +76,23 @@ def test_custom_background_manager_is_polled_and_its_durability_awaited(tmp_path
         assert not (tmp_path / "save-switch").exists()
     failed = _events(tmp_path, "save-failed")
     assert [(e["step"], e["error"]) for e in failed] == [(2, "disk full on the custom store")]
+
+
+class SilentBackgroundManager(FakeManager):
+    """A background manager (``pending_error``) that never says when a save is durable."""
+
+    def pending_error(self):
+        return None
+
+
+def test_a_background_manager_without_durability_counts_a_save_durable_when_it_returns(tmp_path: Path) -> None:
+    """As before ``last_durable_step`` was in the protocol: the answered switch is removed, not kept forever."""
+    cfg = ftkit.Config(checkpoint=CheckpointConfig(manager=f"{__name__}:SilentBackgroundManager"))
+    with ftkit.FaultTolerance(tmp_path, state={"w": torch.zeros(4)}, config=cfg) as ft:
+        mgr = ft.checkpoints
+        assert mgr.background and mgr.last_durable_step is None
+        ft.check(0)
+        _switch_seen(ft, tmp_path)
+        assert ft.step(1).save
+        assert mgr.saved == [1] and mgr.last_durable_step == 1
+        assert not (tmp_path / "save-switch").exists()

@@ -116,6 +116,8 @@ def make_manager(
     manager = cls(
         config, events=events, rank=rank, world_size=world_size, process_group=process_group
     )
+    if config.manager is not None:
+        _durable_on_return(manager)
     if not isinstance(manager, CheckpointManager):
         raise ConfigError(
             f"checkpoint.manager: {config.manager!r} instances do not satisfy the CheckpointManager protocol"
@@ -147,3 +149,23 @@ def _with_defaults(cls: type) -> type:
             f"checkpoint.manager: cannot give {cls.__module__}.{cls.__qualname__} the CheckpointManager "
             f"defaults ({exc}); derive it from ftkit.checkpoint.CheckpointManager"
         ) from exc
+
+
+def _durable_on_return(manager: Any) -> None:
+    """A custom background manager that never says when a save is durable (no
+    ``last_durable_step`` of its own, on the class or the instance): a step counts as durable
+    once ``save`` returns, as it did before ``last_durable_step`` was part of the protocol (else
+    the request files a save answered would never be removed)."""
+    own = getattr(manager, "__dict__", None)
+    if not manager.background or own is None or "last_durable_step" in own:
+        return
+    if any("last_durable_step" in vars(k) for k in type(manager).__mro__ if k is not CheckpointManager):
+        return
+    save = manager.save
+
+    def durable_save(step: int, state: Mapping[str, Any], **kwargs: Any) -> Any:
+        info = save(step, state, **kwargs)
+        manager.last_durable_step = step
+        return info
+
+    manager.save = durable_save
