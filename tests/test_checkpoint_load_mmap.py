@@ -134,7 +134,7 @@ def test_reload_mid_run_copies_into_the_optimizers_own_tensors(tmp_path):
 @pytest.mark.parametrize("live", ["module", "tensor"])
 def test_what_restore_copies_is_not_cloned_first(tmp_path, live):
     # the buffer's tensors restore copies from are passed through as they are (no extra copy)
-    from ftkit.checkpoint.state.snapshot import own_tensors
+    from ftkit.checkpoint.state.restore import own_tensors
 
     saved = {"x": torch.ones(4)}
     obj = torch.nn.Linear(4, 1) if live == "module" else torch.zeros(4)

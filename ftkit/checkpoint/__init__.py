@@ -16,7 +16,7 @@ Where things are (docs/architecture.md has the whole data flow)::
     dcp.py, dcp_reader.py    sharded state through torch.distributed.checkpoint
     format/                  layout, manifest, the one commit protocol, retention, pins (no torch)
     io/                      direct I/O, durable checksummed files, the reader, the state file
-    state/                   the state walk, snapshot and restore, the world-size rule, the sampler
+    state/                   the state walk and snapshot, restore, the world-size rule, the sampler
     background/              AsyncCheckpointer: host buffers, the thread writer, multi-rank commit
     crashsafe/               shared-memory slots and the per-node saver process
 """

@@ -42,7 +42,7 @@ from ..errors import CheckpointError
 from .format.layout import DCP_DIR
 from .io.files import CHECKSUM, crc32_file, fsync_dir
 from .state.keys import match_keys
-from .state.snapshot import clone_tensors
+from .state.restore import clone_tensors
 
 __all__ = [
     "live_state_dicts",

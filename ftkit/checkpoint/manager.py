@@ -38,15 +38,8 @@ from .format.pins import pin_checkpoint
 from .io.statefile import WriteProgress, read_state_file, read_state_into, write_state_file
 from .protocol import CheckpointManager
 from .state.keys import check_missing, describe_rule, is_dcp, match_keys
-from .state.snapshot import (
-    Snapshot,
-    derive_rng,
-    live_targets,
-    own_tensors,
-    restore_rng,
-    restore_state,
-    take_snapshot,
-)
+from .state.restore import live_targets, own_tensors, restore_state
+from .state.snapshot import Snapshot, derive_rng, restore_rng, take_snapshot
 
 __all__ = ["Checkpointer"]
 

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from ..io.direct import aligned_like
-from ..state.snapshot import Ref, Snapshot, flatten, materialize
+from ..state.snapshot import Snapshot, materialize
 
-__all__ = ["BufferSet", "Copier", "CopyBatch", "Ref", "flatten", "layout_of", "materialize"]
+__all__ = ["BufferSet", "Copier", "CopyBatch", "host_snapshot", "layout_of", "wait_events"]
 
 
 def layout_of(tensors: list[tuple[str, torch.Tensor]]) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:

@@ -51,7 +51,8 @@ from ..config import CheckpointConfig, CheckpointInfo
 from ..format.layout import step_name
 from ..manager import Checkpointer
 from ..protocol import CheckpointManager
-from .buffers import Copier, flatten
+from ..state.snapshot import flatten
+from .buffers import Copier
 from .config import AsyncConfig
 
 __all__ = ["AsyncCheckpointer", "AsyncConfig"]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointError
-from .buffers import Ref
+from ..state.snapshot import Ref
 
 __all__ = ["Resolver", "merge_metadata", "plan_sharded"]
 

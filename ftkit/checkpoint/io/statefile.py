@@ -17,7 +17,7 @@ large reads in flight), with its CRC-32 compared with the manifest as the bytes 
 bytes as the one storage ``torch.load(mmap=True)`` would give it) makes the tensors views of
 the bytes read, so they are neither copied out of the file nor out of the buffer; a flipped
 byte is never parsed. The caller copies out what it keeps
-(:func:`ftkit.checkpoint.state.snapshot.own_tensors`). Should a torch release change those private
+(:func:`ftkit.checkpoint.state.restore.own_tensors`). Should a torch release change those private
 entry points, the buffer is parsed by plain ``torch.load`` (same result, each tensor copied).
 """
 
@@ -239,7 +239,7 @@ def read_state_file(
     :class:`CheckpointError` before anything of it reaches a caller. ``mmap`` is accepted for
     the callers that asked for views of the file: they get views of the read buffer, which
     is freed when the last of them is; the caller copies out what it keeps
-    (:func:`ftkit.checkpoint.state.snapshot.own_tensors`) so that no kept tensor holds all of it.
+    (:func:`ftkit.checkpoint.state.restore.own_tensors`) so that no kept tensor holds all of it.
     """
     del mmap  # every load is in place now; see the docstring
     path = directory / name
@@ -364,7 +364,7 @@ def read_state_into(
     memory of each tensor's own (not one buffer for all: the load keeps them, an optimizer's
     moments when it has none yet). In the payload returned each tensor is the live tensor or
     its own, and ``payload["owned"]`` is True when none is a view of a shared read buffer
-    (then :func:`ftkit.checkpoint.state.snapshot.own_tensors` has nothing to copy). On :class:`CheckpointError` the
+    (then :func:`ftkit.checkpoint.state.restore.own_tensors` has nothing to copy). On :class:`CheckpointError` the
     live tensors may hold the corrupt file's bytes: the caller must have an older checkpoint
     to overwrite them with."""
     path = directory / name

@@ -1,0 +1,171 @@
+"""Saved state back into the live objects, in place.
+
+* an object with ``load_state_dict`` gets ``load_state_dict(saved)``;
+* a dict is updated in place key by key (recursively; keys not in the checkpoint are kept);
+* a list is refilled in place; a tensor of the same shape and dtype is ``copy_``-ed into;
+* any other value (int, float, str, ...) is written back into the state mapping, so
+  ``state["step_in_epoch"]`` holds the restored value after ``load``.
+
+A checkpoint is loaded memory-mapped (no copy of the file into fresh memory), so before
+restoring, :func:`own_tensors` gives every saved tensor that a live object would keep, rather
+than copy from, memory of its own: nothing live stays backed by the checkpoint file.
+:func:`live_targets` names, before a file is read, the live tensor each saved tensor will be
+copied into, so a resume can read the file straight into them (``io.statefile``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch
+
+from .snapshot import is_stateful
+
+__all__ = ["clone_tensors", "live_targets", "own_tensors", "restore_state"]
+
+log = logging.getLogger(__name__)
+
+_MISSING = object()
+
+
+def _restore_value(live: Any, saved: Any) -> Any:
+    if live is _MISSING:
+        return saved
+    if is_stateful(live):
+        live.load_state_dict(saved)
+        return live
+    if isinstance(live, MutableMapping) and isinstance(saved, Mapping):
+        for k, v in saved.items():
+            new = _restore_value(live.get(k, _MISSING), v)
+            if k not in live or live[k] is not new:
+                live[k] = new
+        return live
+    if isinstance(live, list) and isinstance(saved, list):
+        if len(live) == len(saved):
+            live[:] = [_restore_value(a, b) for a, b in zip(live, saved, strict=False)]
+        else:
+            live[:] = saved
+        return live
+    if _same_kind(live, saved):
+        with torch.no_grad():
+            live.copy_(saved)
+        return live
+    return saved
+
+
+def own_tensors(state: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[str, Any]:
+    """``saved`` (read memory-mapped from a checkpoint file), made safe to ``restore_state``.
+
+    ``restore_state`` copies a saved tensor into a live one where there is one (a module's
+    parameters and buffers, a tensor of the same shape and dtype) and keeps the saved tensor
+    itself everywhere else: optimizer state (``torch.optim.Optimizer.load_state_dict`` keeps
+    the tensors it is given), new dict keys, plain tensors of another shape. A kept tensor
+    still backed by the mapped file would hold the file's disk space after retention deletes
+    it (on NFS, as a ``.nfsXXXX`` file) and fault its pages in from the file later. So each
+    tensor that would be kept is replaced here: where a stateful object (not a module)
+    already has a tensor at the same place of its ``state_dict()``, with the same shape and
+    dtype, the saved values are copied into it and that tensor is handed back to
+    ``load_state_dict`` (a reload in the middle of a run allocates nothing); any other is
+    cloned into ordinary memory. Tensors that ``restore_state`` copies are left mapped.
+    """
+    return {k: _own(state.get(k, _MISSING), v) for k, v in saved.items()}
+
+
+def _own(live: Any, saved: Any) -> Any:
+    """Mirror of ``_restore_value``: what it would keep is replaced by memory of our own."""
+    if live is _MISSING:
+        return clone_tensors(saved)
+    if isinstance(live, torch.nn.Module):
+        return saved  # Module.load_state_dict copies into its parameters and buffers
+    if is_stateful(live):
+        return _into(live.state_dict(), saved)
+    if isinstance(live, MutableMapping) and isinstance(saved, Mapping):
+        return {k: _own(live.get(k, _MISSING), v) for k, v in saved.items()}
+    if isinstance(live, list) and isinstance(saved, list) and len(live) == len(saved):
+        return [_own(a, b) for a, b in zip(live, saved, strict=True)]
+    if _same_kind(live, saved):
+        return saved
+    return clone_tensors(saved)
+
+
+def _into(current: Any, saved: Any) -> Any:
+    """Saved values copied into the live object's own tensors where it has them, else cloned."""
+    if _same_kind(current, saved):
+        with torch.no_grad():
+            current.copy_(saved)
+        return current
+    if isinstance(current, Mapping) and isinstance(saved, Mapping):
+        return {k: _into(current.get(k, _MISSING), v) for k, v in saved.items()}
+    if isinstance(current, list) and isinstance(saved, list) and len(current) == len(saved):
+        return [_into(a, b) for a, b in zip(current, saved, strict=True)]
+    return clone_tensors(saved)
+
+
+def live_targets(state: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[int, torch.Tensor]:
+    """For each saved tensor that ``restore_state(state, own_tensors(state, saved))`` would copy
+    into a live tensor, that live tensor, by ``id`` of the saved one: a module's parameters
+    and buffers (by state-dict key), the tensors of a stateful object's ``state_dict()``
+    (an optimizer's moments), a live tensor of the same shape and dtype. A loader may read
+    the saved values straight into them (:func:`ftkit.checkpoint.io.statefile.read_state_into`)."""
+    out: dict[int, torch.Tensor] = {}
+
+    def walk(live: Any, saved: Any) -> None:
+        if is_stateful(live):  # a module copies into its own tensors, an optimizer is handed them
+            walk(live.state_dict(), saved)
+        elif isinstance(live, Mapping) and isinstance(saved, Mapping):
+            for k, v in saved.items():
+                walk(live.get(k, _MISSING), v)
+        elif isinstance(live, list) and isinstance(saved, list) and len(live) == len(saved):
+            for a, b in zip(live, saved, strict=True):
+                walk(a, b)
+        elif _same_kind(live, saved):
+            out[id(saved)] = live
+
+    for key, value in saved.items():
+        if key in state:
+            walk(state[key], value)
+    return out
+
+
+def _same_kind(live: Any, saved: Any) -> bool:
+    """Both tensors, same shape and dtype: the saved one is copied into the live one."""
+    return (
+        isinstance(live, torch.Tensor)
+        and isinstance(saved, torch.Tensor)
+        and live.shape == saved.shape
+        and live.dtype == saved.dtype
+    )
+
+
+def clone_tensors(value: Any) -> Any:
+    """``value`` with every tensor in it (dicts, lists, tuples) detached and cloned."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, Mapping):
+        return {k: clone_tensors(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [clone_tensors(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(clone_tensors(v) for v in value)
+    return value
+
+
+def restore_state(state: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
+    """Restore ``saved`` into the live objects of ``state`` in place (see module doc)."""
+    for key, live in state.items():
+        if key not in saved:
+            log.warning("state[%r] is not in the checkpoint; left as it is", key)
+            continue
+        new = _restore_value(live, saved[key])
+        if new is not live:
+            if isinstance(state, MutableMapping):
+                state[key] = new
+            else:
+                log.warning(
+                    "state[%r] is a plain value in a read-only mapping; restored value dropped", key
+                )
+    for key in saved:
+        if key not in state:
+            log.info("checkpoint entry %r has no object in state; ignored", key)
