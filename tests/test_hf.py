@@ -128,6 +128,21 @@ def test_latest_valid_checkpoint_skips_broken_ones(tmp_path):
     assert latest_valid_checkpoint(tmp_path / "missing") is None
 
 
+def test_retention_keeps_the_newest_and_trainers_best_model_checkpoint(tmp_path):
+    """keep_last=2 over six valid checkpoints: 5 and 6 stay, and so does the best model's (2),
+    given as Trainer names it (a path, here through a symlink); the rest go, with events."""
+    from ftkit.integrations._hf_checkpoints import retain
+
+    for step in range(1, 7):
+        _fake_checkpoint(tmp_path, step)
+    (tmp_path / "best").symlink_to(tmp_path / "checkpoint-2")
+    events = EventLog(tmp_path / "events.jsonl")
+    deleted = retain(tmp_path, keep_last=2, protect=[str(tmp_path / "best")], events=events)
+    assert sorted(p.name for p in deleted) == ["checkpoint-1", "checkpoint-3", "checkpoint-4"]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-5", "checkpoint-6"]
+    assert sorted(e["step"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "delete") == [1, 3, 4]
+
+
 def test_resume_skips_a_corrupted_newer_checkpoint(tmp_path):
     """Real Trainer: periodic saves at 3 and 6, checkpoint-6's weights truncated; the next
     run resumes from checkpoint-3, logs why, and ftkit's retention keeps the newest two."""
