@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import os
 import queue
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from .direct import address, open_direct
 
 try:  # the same CRC-32 as zlib's, faster; releases the GIL like zlib.crc32
     from zlib_ng.zlib_ng import crc32 as crc32
+    from zlib_ng.zlib_ng import crc32_combine as crc32_combine
 
     CRC_IMPL = "zlib-ng"
 except ImportError:  # pragma: no cover - zlib-ng is a dependency; identical values, slower
@@ -34,12 +36,52 @@ except ImportError:  # pragma: no cover - zlib-ng is a dependency; identical val
 
     CRC_IMPL = "zlib"
 
+    def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+        """zlib's ``crc32_combine`` (the standard library does not export it)."""
+        return _combine(crc1, crc2, len2)
+
+
+def _gf2_times(matrix: Sequence[int], vector: int) -> int:
+    total, i = 0, 0
+    while vector:
+        if vector & 1:
+            total ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return total
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_operator(nbytes: int) -> tuple[int, ...]:
+    """The GF(2) matrix (32 columns) that appends ``nbytes`` zero bytes to a CRC-32 register:
+    zlib's ``crc32_combine`` operator, built once per length (a stream's pieces share theirs)."""
+    op = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
+    for _ in range(2):  # two zero bits, then four
+        op = [_gf2_times(op, op[n]) for n in range(32)]
+    total = [1 << n for n in range(32)]  # the identity
+    while True:
+        op = [_gf2_times(op, op[n]) for n in range(32)]  # one zero byte, then 2, 4, ...
+        if nbytes & 1:
+            total = [_gf2_times(op, total[n]) for n in range(32)]
+        nbytes >>= 1
+        if not nbytes:
+            return tuple(total)
+
+
+def _combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``A + B`` from ``crc1`` of ``A``, ``crc2`` of ``B`` and ``len2 = len(B)``:
+    zlib's ``crc32_combine``, in Python (the fallback where zlib-ng is missing)."""
+    if len2 <= 0:
+        return crc1
+    return _gf2_times(_zeros_operator(len2), crc1) ^ crc2
+
 __all__ = [
     "CHECKSUM",
     "CRC_IMPL",
     "HashingWriter",
     "atomic_write_bytes",
     "crc32",
+    "crc32_combine",
     "crc32_file",
     "fsync_dir",
     "fsync_file",
