@@ -16,6 +16,7 @@ import itertools
 import os
 import random
 import shutil
+import threading
 import zlib
 
 import pytest
@@ -38,15 +39,28 @@ def _entry(path) -> dict:
     return {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
 
 
-def _spy_reads(monkeypatch) -> list[tuple[int, int, int, bool]]:
+class _Reads(list):
+    """(inode, offset, bytes, O_DIRECT) of each read; ``bulk`` those of them made by the
+    reader's workers (the one pass over the file), ``small`` the others (headers, indexes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bulk: list[tuple[int, int, int, bool]] = []
+        self.small: list[tuple[int, int, int, bool]] = []
+
+
+def _spy_reads(monkeypatch) -> _Reads:
     """Every read the reader makes: (inode, offset, bytes, O_DIRECT)."""
-    reads: list[tuple[int, int, int, bool]] = []
+    reads = _Reads()
     real = os.preadv
 
     def preadv(fd, buffers, offset):
         n = real(fd, buffers, offset)
         direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
-        reads.append((os.fstat(fd).st_ino, offset, n, direct))
+        record = (os.fstat(fd).st_ino, offset, n, direct)
+        reads.append(record)
+        bulk = threading.current_thread().name.startswith("ftkit-read")
+        (reads.bulk if bulk else reads.small).append(record)
         return n
 
     monkeypatch.setattr(_reader.os, "preadv", preadv)
@@ -367,8 +381,13 @@ def test_a_dcp_checkpoint_is_read_once_per_file_straight_into_the_live_tensors(t
     assert len(readers) == 1 and sorted(readers[0].files_read) == [p.name for p in distcp]
     for path in distcp:
         ino, size = path.stat().st_ino, path.stat().st_size
-        bulk = sum(n for i, _, n, d in reads if i == ino and d)
-        assert size - (1 << 20) <= bulk <= size  # the tensors' bytes once, O_DIRECT
+        bulk = [r for r in reads.bulk if r[0] == ino and r[2]]
+        spans = sorted((off, off + n) for _, off, n, _ in bulk)
+        assert spans[0][0] == 0 and spans[-1][1] == size  # every byte once, O_DIRECT
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans)) and all(d for *_, d in bulk)
+        # before it, the items' headers: a few small reads, not a second pass
+        small = sum(n for i, _, n, _ in reads.small if i == ino)
+        assert 0 < small <= 64 << 10, small
 
 
 def _recording(init, into: list):
@@ -437,3 +456,38 @@ def test_resume_past_a_corrupt_newest_is_bit_identical_to_resuming_the_older(tmp
         assert all(torch.equal(v, b["model"][k]) for k, v in a["model"].items())
         for pid, st in a["optimizer"]["state"].items():
             assert all(torch.equal(v, b["optimizer"]["state"][pid][k]) for k, v in st.items())
+
+
+def test_crc32_combine_gives_zlibs_crc_of_the_joined_bytes_in_both_implementations():
+    """The reader checksums pieces on several threads and joins their CRC-32s in file order:
+    zlib-ng's ``crc32_combine`` and the Python one used without zlib-ng give zlib's value for
+    the whole, whatever the split (empty parts, odd lengths, a piece's size)."""
+    from ftkit.checkpoint.io import files as _files
+
+    rng = random.Random(3)
+    data = rng.randbytes(3 * (64 << 10) + 4097)
+    for cuts in ([0], [1], [4095, 4096], [64 << 10, 128 << 10], sorted(rng.sample(range(len(data)), 9))):
+        bounds = [0, *cuts, len(data)]
+        for combine in (_files.crc32_combine, _files._combine):
+            crc = 0
+            for a, b in itertools.pairwise(bounds):
+                crc = combine(crc, zlib.crc32(data[a:b]), b - a)
+            assert crc == zlib.crc32(data), (cuts, combine)
+
+
+def test_a_dcp_load_that_stops_before_the_read_leaves_no_reader_running_and_the_state_untouched(tmp_path):
+    """The newest DCP checkpoint's own file starts streaming before DCP has planned the load;
+    a load refused after that (a state key the checkpoint lacks) stops that read: no reader
+    thread is left running and nothing of the file reached the live state."""
+    from tests.ckpt_helpers import build_state
+
+    root = tmp_path / "ck"
+    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], 2)
+    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], 2)
+    state, _ = build_state()
+    state["not_saved"] = {"value": 1}
+    before = {k: v.clone() for k, v in state["model"].state_dict().items()}
+    with pytest.raises(CheckpointError, match="not_saved"):
+        make_mgr(root).load(state)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(("ftkit-dcp-file", "ftkit-read"))]
+    assert all(torch.equal(v, before[k]) for k, v in state["model"].state_dict().items())

@@ -26,10 +26,12 @@ back on, whose load overwrites them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import io
 import logging
 import re
+import threading
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,20 +39,22 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 from torch.serialization import _weights_only_unpickler
 
 from ..errors import CheckpointError
 from .format.layout import DCP_DIR
-from .io.reader import FileProblem, Target, check_file, scatter_file
-from .io.statefile import archive_records, tensor_memory
+from .io.reader import Fetch, FileProblem, Target, check_file, scatter_file
+from .io.statefile import archives_records, tensor_memory
 
 __all__ = ["CorruptFile", "StreamingReader", "corrupt_file_in"]
 
 log = logging.getLogger(__name__)
 
 _FILE = re.compile(r"__(\d+)_\d+\.distcp$")  # DCP's file of the rank that wrote it
+_ITEM_TAIL = 4 << 10  # the end of one item's archive: a directory of a few records and its end record
 
 
 
@@ -89,21 +93,25 @@ def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
     return tensor
 
 
-def _archive(view: memoryview, fetch, start: int, end: int, where: str) -> tuple[bytes, dict[str, int]]:
-    """The pickle of the ``torch.save`` archive at ``[start, end)`` of the file, and where each
-    of its storage records' bytes begin in the file (by storage key)."""
+def _archives(view: memoryview, fetch: Fetch, spans: list[tuple[int, int]], where: str
+              ) -> list[tuple[bytes, dict[str, int]]]:
+    """For the ``torch.save`` archive at each ``[start, end)`` of the file: its pickle, and where
+    each of its storage records' bytes begin in the file (by storage key). The small reads of
+    all archives go out together (:func:`ftkit.checkpoint.io.statefile.archives_records`)."""
     try:
-        records = archive_records(view, fetch, start, end)
+        every = archives_records(view, fetch, spans, tail=_ITEM_TAIL)
     except (FileProblem, zipfile.BadZipFile) as exc:
         raise _Unsupported(f"{where}: {exc}") from None
-    pickled = [(a, n) for name, (a, n) in records.items() if name.endswith("data.pkl")]
-    if len(pickled) != 1:
-        raise _Unsupported(f"{where}: not one data.pkl in the item")
-    (a, n), = pickled
-    fetch(a, a + n)
-    storages = {name.rsplit("/", 1)[1]: a for name, (a, _) in records.items()
-                if "/data/" in name and not name.endswith(".pkl")}
-    return bytes(view[a : a + n]), storages
+    pickles: list[tuple[int, int]] = []
+    for (start, _), records in zip(spans, every, strict=True):
+        pickled = [(a, n) for name, (a, n) in records.items() if name.endswith("data.pkl")]
+        if len(pickled) != 1:
+            raise _Unsupported(f"{where} at byte {start}: not one data.pkl in the item")
+        pickles.append(pickled[0])
+    fetch.many([(a, a + n) for a, n in pickles])
+    return [(bytes(view[a : a + n]), {name.rsplit("/", 1)[1]: a for name, (a, _) in records.items()
+                                      if "/data/" in name and not name.endswith(".pkl")})
+            for (a, n), records in zip(pickles, every, strict=True)]
 
 
 def _meta_tensor(pickle_bytes: bytes, where: str) -> tuple[torch.Tensor, str]:
@@ -142,6 +150,41 @@ class StreamingReader(dcp.FileSystemReader):
         self._rank, self._world = rank, world_size
         self.files_read: list[str] = []
         """The files this rank read whole (and checked), in the order it read them."""
+        self._early: dict[str, _FileRead] = {}
+
+    def prefetch(self) -> None:
+        """Start reading the first file this rank reads whole now, on a thread of its own,
+        before DCP has planned the load (its metadata read, a few collectives): the items'
+        headers are read and parsed and the bulk of the file streams into the staging buffers
+        meanwhile, and ``read_data`` only has to say where the tensors go. Without it (or
+        when the metadata cannot be read here) the file is read when ``read_data`` asks.
+        :meth:`close` stops it if the load never gets there."""
+        try:
+            metadata = self.read_metadata()
+        except Exception:  # DCP's own read of it reports the problem
+            return
+        storage = metadata.storage_data or {}
+        if any(getattr(info, "transform_descriptors", None) for info in storage.values()):
+            return  # read by FileSystemReader itself (read_data)
+        names = sorted({info.relative_path for info in storage.values() if self._checks(info.relative_path)})
+        if not names:
+            return
+        tensors = {fqn for fqn, meta in metadata.state_dict_metadata.items()
+                   if isinstance(meta, TensorStorageMetadata)}
+        spans = sorted({(info.offset, info.offset + info.length) for index, info in storage.items()
+                        if info.relative_path == names[0] and index.fqn in tensors})
+        read = self._early[names[0]] = _FileRead(self, names[0], spans)
+        # its small reads go first, alone: this thread's Python work would hold the GIL they
+        # need after each read, and the bulk read would queue them behind its pieces
+        read.headers_read.wait()
+
+    def close(self) -> None:
+        """Stop and join the reads :meth:`prefetch` started that ``read_data`` did not take."""
+        early, self._early = self._early, {}
+        for read in early.values():
+            read.cancel()
+        for read in early.values():
+            read.wait()
 
     def _checks(self, name: str) -> bool:
         """Whether this rank reads and checks file ``name`` whole: ``__R_*.distcp`` is rank
@@ -162,8 +205,12 @@ class StreamingReader(dcp.FileSystemReader):
         if not plain:
             try:
                 for name in mine:  # whole, checked as it arrives; the items this rank needs land
-                    if name in per_file:
-                        self._read_file(name, per_file[name], planner)
+                    early = self._early.pop(name, None)
+                    if name in per_file or early is not None:
+                        read = early or _FileRead(self, name, None)
+                        read.give(per_file.get(name, []), planner)
+                        read.finish(planner)
+                        self.files_read.append(name)
                     else:
                         self._check(name)
                 if others:  # the few items of files another rank checks: DCP's own reads
@@ -175,6 +222,7 @@ class StreamingReader(dcp.FileSystemReader):
                 log.info("reading %s the way DCP does: %s", self._root, exc)
         # DCP's own reader, every item again from the start; the files this rank checks are
         # checked first, through the page cache, where DCP's reads then find them
+        self.close()
         self.files_read.clear()
         for name in mine:
             self._check(name, cache=True)
@@ -194,45 +242,124 @@ class StreamingReader(dcp.FileSystemReader):
             raise CheckpointError(f"{self._root / name} is not in its checkpoint's manifest")
         return meta
 
-    def _read_file(self, name: str, items: list[Any], planner: LoadPlanner) -> None:
-        path = self._root / name
-        meta = self._meta(name)
-        after: list[tuple[Any, str, Any]] = []  # (item, how, what) for once the file is read
+    @staticmethod
+    def _item(pickle_bytes: bytes, records: dict[str, int], where: str) -> tuple[torch.Tensor, int]:
+        """The item's tensor on ``meta`` and the file offset of its storage bytes."""
+        tensor, key = _meta_tensor(pickle_bytes, where)
+        if key not in records:
+            raise _Unsupported(f"{where}: storage {key} not in the archive")
+        return tensor, records[key]
 
-        def plan_read(mapping: Any, view: memoryview, fetch) -> list[Target]:
-            aims: list[tuple[int, int, Any, torch.Tensor]] = []
-            for item in items:
-                info = self.storage_data[item.storage_index]
-                if item.type == LoadItemType.BYTE_IO:
-                    after.append((item, "bytes", (info.offset, info.offset + info.length)))
-                    continue
-                where = f"{path} item {item.storage_index}"
-                saved, data_start = self._item(view, fetch, info, where)
-                narrowed = _narrow(saved, item.storage_offsets, item.lengths)
-                target = planner.resolve_tensor(item).detach()
-                if target.size() != narrowed.size():
-                    raise CheckpointError(f"{where}: saved {tuple(narrowed.size())}, live {tuple(target.size())}")
-                if (narrowed.is_contiguous() and target.is_contiguous() and target.device.type == "cpu"
-                        and target.dtype == narrowed.dtype and narrowed.numel() > 0):
-                    start = data_start + narrowed.storage_offset() * narrowed.element_size()
-                    aims.append((start, start + narrowed.numel() * narrowed.element_size(), item, target))
-                else:
-                    after.append((item, "copy", (saved, data_start, target)))
-            aims.sort(key=lambda a: a[0])
-            targets: list[Target] = []
-            for i, (start, end, item, target) in enumerate(aims):
-                if i and aims[i - 1][1] > start:
-                    raise _Unsupported(f"{path}: items overlap")
-                targets.append((start, end, tensor_memory(target)))
-                after.append((item, "direct", target))
-            return targets
 
+class _Cancelled(Exception):
+    """The load stopped before it said what it wants from a file read early."""
+
+
+class _FileRead:
+    """One ``.distcp`` file of :class:`StreamingReader`, read whole on a thread of its own.
+
+    ``spans`` (the file's tensor items, from the checkpoint's metadata) lets the read begin
+    before DCP planned the load: the items' headers are read and parsed, then the bulk of the
+    file streams into the staging buffers while :meth:`give` is awaited with the items the
+    load wants from it and the planner that resolves their tensors; only then do the bytes go
+    to their tensors. With ``spans`` None the read parses the items it is given."""
+
+    def __init__(self, reader: StreamingReader, name: str, spans: list[tuple[int, int]] | None) -> None:
+        self._reader, self.name, self._spans = reader, name, spans
+        self.path = reader._root / name
+        self._meta = reader._meta(name)
+        self._wanted: concurrent.futures.Future[tuple[list[Any], LoadPlanner] | None] = concurrent.futures.Future()
+        self._after: list[tuple[Any, str, Any]] = []  # (item, how, what) for once the file is read
+        self._result: tuple[Any, memoryview] | None = None
+        self._error: BaseException | None = None
+        self.headers_read = threading.Event()  # the small reads are over (or the read ended)
+        self._thread = threading.Thread(target=self._run, name="ftkit-dcp-file", daemon=True)
+        self._thread.start()
+
+    def give(self, items: list[Any], planner: LoadPlanner) -> None:
+        self._wanted.set_result((items, planner))
+
+    def cancel(self) -> None:
+        if not self._wanted.done():
+            self._wanted.set_result(None)
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def _run(self) -> None:
         try:
-            mapping, view = scatter_file(path, meta, plan_read, verify=self._verify, direct=self._direct)
+            self._result = scatter_file(self.path, self._meta, self._plan, verify=self._reader._verify,
+                                        direct=self._reader._direct)
         except FileProblem as exc:
-            raise CorruptFile(f"{self._root.parent}: {exc}") from exc
-        self.files_read.append(name)
-        for item, how, what in after:
+            self._error = CorruptFile(f"{self._reader._root.parent}: {exc}")
+            self._error.__cause__ = exc
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self.headers_read.set()
+
+    def _parse(self, view: memoryview, fetch: Fetch, spans: list[tuple[int, int]]) -> dict[int, tuple[torch.Tensor, int]]:
+        """Item start -> (its tensor on ``meta``, the file offset of its storage bytes); the
+        bulk read may start once the items' headers are read, before they are parsed."""
+        where = str(self.path)
+        archives = _archives(view, fetch, spans, where)
+        fetch.done()
+        self.headers_read.set()
+        return {start: StreamingReader._item(pickle_bytes, records, f"{where} item at byte {start}")
+                for (start, _), (pickle_bytes, records) in zip(spans, archives, strict=True)}
+
+    def _plan(self, mapping: Any, view: memoryview, fetch: Fetch) -> list[Target] | None:
+        # with spans, the headers are read and parsed and the bulk streams while DCP plans
+        parsed = self._parse(view, fetch, self._spans) if self._spans is not None else {}
+        wanted = self._wanted.result()
+        if wanted is None:
+            raise _Cancelled(f"{self.path}: the load stopped before it read this file")
+        items, planner = wanted
+        if not items:
+            return None  # nothing of it wanted here: checked as it streams, nothing kept
+        storage = self._reader.storage_data
+        tensors = []
+        for item in items:
+            info = storage[item.storage_index]
+            if item.type == LoadItemType.BYTE_IO:
+                self._after.append((item, "bytes", (info.offset, info.offset + info.length)))
+            else:
+                tensors.append((item, info))
+        missing = sorted({(info.offset, info.offset + info.length) for _, info in tensors if info.offset not in parsed})
+        if missing:
+            parsed.update(self._parse(view, fetch, missing))
+        fetch.done()
+        aims: list[tuple[int, int, Any, torch.Tensor]] = []
+        for item, info in tensors:
+            where = f"{self.path} item {item.storage_index}"
+            saved, data_start = parsed[info.offset]
+            narrowed = _narrow(saved, item.storage_offsets, item.lengths)
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != narrowed.size():
+                raise CheckpointError(f"{where}: saved {tuple(narrowed.size())}, live {tuple(target.size())}")
+            if (narrowed.is_contiguous() and target.is_contiguous() and target.device.type == "cpu"
+                    and target.dtype == narrowed.dtype and narrowed.numel() > 0):
+                start = data_start + narrowed.storage_offset() * narrowed.element_size()
+                aims.append((start, start + narrowed.numel() * narrowed.element_size(), item, target))
+            else:
+                self._after.append((item, "copy", (saved, data_start, target)))
+        aims.sort(key=lambda a: a[0])
+        targets: list[Target] = []
+        for i, (start, end, item, target) in enumerate(aims):
+            if i and aims[i - 1][1] > start:
+                raise _Unsupported(f"{self.path}: items overlap")
+            targets.append((start, end, tensor_memory(target)))
+            self._after.append((item, "direct", target))
+        return targets
+
+    def finish(self, planner: LoadPlanner) -> None:
+        """Wait for the read, then hand DCP every item it wanted from the file."""
+        self.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        mapping, view = self._result
+        for item, how, what in self._after:
             if how == "bytes":
                 planner.load_bytes(item, io.BytesIO(bytes(view[what[0] : what[1]])))
             elif how == "direct":
@@ -246,12 +373,3 @@ class StreamingReader(dcp.FileSystemReader):
                     storage, meta_tensor.storage_offset(), meta_tensor.size(), meta_tensor.stride())
                 target.copy_(_narrow(saved, item.storage_offsets, item.lengths))
                 planner.commit_tensor(item, target)
-
-    @staticmethod
-    def _item(view: memoryview, fetch, info: Any, where: str) -> tuple[torch.Tensor, int]:
-        """The item's tensor on ``meta`` and the file offset of its storage bytes."""
-        pickle_bytes, records = _archive(view, fetch, info.offset, info.offset + info.length, where)
-        tensor, key = _meta_tensor(pickle_bytes, where)
-        if key not in records:
-            raise _Unsupported(f"{where}: storage {key} not in the archive")
-        return tensor, records[key]

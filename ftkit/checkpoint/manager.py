@@ -191,12 +191,17 @@ class Checkpointer(CheckpointManager):
             # straight into the live tensors only with an older checkpoint to overwrite them
             # if this one turns out corrupt during the read
             direct = step is None and any(validate_dir(p).valid for p in candidates[i + 1 :])
-            problem = self._agree_valid(path, streamed=direct)
-            found = time.monotonic()
-            if not problem:
-                problem = self._try_load(state, path, into_live=direct)
-                if problem and direct and self._into_live_used:
-                    damaged = path
+            reader = self._streaming_reader(path) if direct else None
+            try:
+                problem = self._agree_valid(path, streamed=direct)
+                found = time.monotonic()
+                if not problem:
+                    problem = self._try_load(state, path, into_live=direct, reader=reader)
+                    if problem and direct and self._into_live_used:
+                        damaged = path
+            finally:
+                if reader is not None:
+                    reader.close()
             if not problem:
                 self.loaded = validate_dir(path)
                 restored = int(self.loaded.step)
@@ -240,17 +245,36 @@ class Checkpointer(CheckpointManager):
         problems = [p for p in self.comm.gather(problem) if p]
         return problems[0] if problems else ""
 
-    def _try_load(self, state: Mapping[str, Any], path: Path, *, into_live: bool = False) -> str:
+    def _streaming_reader(self, path: Path) -> Any:
+        """For a valid DCP checkpoint, the reader that reads its files into the live tensors.
+        None for another kind. (``load`` closes it, also when the checkpoint is skipped.)"""
+        info = validate_dir(path)
+        if not info.valid or not is_dcp(info.files):
+            return None
+        from .dcp_reader import StreamingReader
+
+        reader = StreamingReader(path / DCP_DIR, info.files, verify=self.config.verify_on_load,
+                                 direct=self.config.direct_io, rank=self.rank,
+                                 world_size=self.world_size if self.comm.distributed else 1)
+        return reader
+
+    def _try_load(self, state: Mapping[str, Any], path: Path, *, into_live: bool = False, reader: Any = None) -> str:
         """Load ``path`` into ``state`` on any number of ranks (``state.keys``'s world-size rule).
 
         Returns a problem with the files (the checkpoint is skipped); a key of the state the
         checkpoint lacks raises (``state.keys``'s strictness rule), before anything is restored.
-        ``into_live`` (one process, a state file): the file's tensors are read straight into
-        the live tensors that take them (:func:`ftkit.checkpoint.io.statefile.read_state_into`), so a corrupt file
-        leaves its bytes there; ``_into_live_used`` says whether that happened.
+        ``into_live`` (one process, a state file; a DCP checkpoint through ``reader``, a
+        :meth:`_streaming_reader`): the file's tensors are read straight into the live tensors
+        that take them (:func:`ftkit.checkpoint.io.statefile.read_state_into`), so a corrupt
+        file leaves its bytes there; ``_into_live_used`` says whether that happened.
         """
         self._into_live_used = False
         info = validate_dir(path)
+        return self._load_from(state, path, info, reader if into_live else None, into_live=into_live)
+
+    def _load_from(self, state: Mapping[str, Any], path: Path, info: CheckpointInfo, reader: Any, *,
+                   into_live: bool) -> str:
+        """:meth:`_try_load` of the checkpoint ``info`` describes, DCP files through ``reader`` if given."""
         saved_world = int(info.world_size or 1)
         sharded = is_dcp(info.files)
         name = rank_file(self.rank)
@@ -277,6 +301,8 @@ class Checkpointer(CheckpointManager):
                 payload = read_state_file(path, name, info.files[name], verify=verify, mmap=True,
                                           direct=self.config.direct_io)
             available = set(payload["state"])
+            if reader is not None:  # this rank's own DCP file streams while DCP plans the load
+                reader.prefetch()  # (after the small reads above, which would queue behind it)
             if sharded:
                 from .dcp import saved_keys
 
@@ -298,13 +324,7 @@ class Checkpointer(CheckpointManager):
             from .dcp import load_full, load_sharded, sharded_keys
 
             keys = sharded_keys(live)
-            reader = None
-            if sharded and into_live:  # each DCP file read once, checked as it arrives, into the live tensors
-                from .dcp_reader import StreamingReader
-
-                reader = StreamingReader(path / DCP_DIR, info.files, verify=self.config.verify_on_load,
-                                         direct=self.config.direct_io, rank=self.rank,
-                                         world_size=self.world_size if self.comm.distributed else 1)
+            if reader is not None:
                 self._into_live_used = True
             try:
                 if sharded:

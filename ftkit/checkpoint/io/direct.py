@@ -57,6 +57,7 @@ from ...errors import CheckpointError
 
 __all__ = [
     "BLOCK",
+    "STAGE_BYTES",
     "DirectFile",
     "address",
     "aligned_empty",
@@ -73,7 +74,8 @@ ALIGN_MIN = 64 << 10  # buffers at least this large are allocated page-aligned (
 HUGE = 2 << 20  # ... and from this size up on a 2 MiB boundary, with huge-page advice
 _MADV_WIPEONFORK = 18  # <linux/mman.h>; Python's mmap module does not name it
 _STAGE = 16 << 20  # staging buffer: a multiple of BLOCK (16 MiB: the device's best write size here)
-_POOL_MAX = 4  # staging buffers kept for reuse (two per writer; two concurrent writers)
+STAGE_BYTES = _STAGE
+_POOL_MAX = 4  # staging buffers kept for reuse (two per writer, two concurrent writers; a read's 8 pieces)
 _PIECE = 256 << 10  # a staged copy is checksummed in pieces this large, while they are in the CPU cache
 _pool: list[tuple[mmap.mmap, int]] = []
 _pool_lock = threading.Lock()

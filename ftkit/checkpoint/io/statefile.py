@@ -38,7 +38,7 @@ import torch
 from ...errors import CheckpointError
 from .direct import BLOCK, address
 from .files import CHECKSUM, HashingWriter
-from .reader import FileProblem, Target, read_file, scatter_file
+from .reader import Fetch, FileProblem, Target, read_file, scatter_file
 
 __all__ = ["FILE_FORMAT", "read_state_file", "read_state_into", "write_state_file"]
 
@@ -287,30 +287,52 @@ class Fetching:
         return data
 
 
-def archive_records(view: memoryview, fetch: Callable[[int, int], None], start: int = 0,
-                    end: int | None = None) -> dict[str, tuple[int, int]]:
-    """Every record of the zip archive at ``[start, end)`` of the file: name -> (offset of its
-    data in the file, size), from the archive's directory and each record's local header
-    (read through ``fetch``; the records' data is not read)."""
-    out: dict[str, tuple[int, int]] = {}
-    with zipfile.ZipFile(Fetching(view, fetch, start, end)) as archive:  # type: ignore[arg-type]
-        for info in archive.infolist():
+TAIL = 64 << 10  # the end of an archive read at once: its directory, unless it has thousands of records
+
+
+def archives_records(view: memoryview, fetch: Fetch, spans: list[tuple[int, int]], *, tail: int = TAIL,
+                     ) -> list[dict[str, tuple[int, int]]]:
+    """For the zip archive at each ``[start, end)`` of the file, every record: name -> (offset
+    of its data in the file, size), from the archive's directory and each record's local
+    header; the records' data is not read. All archives' ends are read at once
+    (``fetch.many``), then all their local headers at once: a few rounds of small reads for
+    any number of archives, not a few per archive. ``tail``: how much of each archive's end
+    to read first (its directory and end record)."""
+    # each archive's end and its first local header (where the next archive follows this
+    # one, the two are one read)
+    fetch.many([(max(start, end - tail), end) for start, end in spans] + [(start, start + 30) for start, _ in spans])
+    directories: list[list[zipfile.ZipInfo]] = []
+    for start, end in spans:
+        with zipfile.ZipFile(Fetching(view, fetch, start, end)) as archive:  # type: ignore[arg-type]
+            directories.append(archive.infolist())
+    fetch.many([(start + info.header_offset, start + info.header_offset + 30)
+                for (start, _), infos in zip(spans, directories, strict=True) for info in infos])
+    out: list[dict[str, tuple[int, int]]] = []
+    for (start, _), infos in zip(spans, directories, strict=True):
+        records: dict[str, tuple[int, int]] = {}
+        for info in infos:
             if info.compress_type != zipfile.ZIP_STORED:
                 raise FileProblem(f"record {info.filename} is compressed")
             head = start + info.header_offset
             fetch(head, head + 30)
             name_len, extra_len = struct.unpack("<HH", bytes(view[head + 26 : head + 30]))
             fetch(head + 30, head + 30 + name_len + extra_len)
-            out[info.filename] = (head + 30 + name_len + extra_len, info.file_size)
+            records[info.filename] = (head + 30 + name_len + extra_len, info.file_size)
+        out.append(records)
     return out
 
 
-def _fetch_all_but_storages(view: memoryview, fetch: Callable[[int, int], None]) -> None:
+def archive_records(view: memoryview, fetch: Fetch, start: int = 0,
+                    end: int | None = None) -> dict[str, tuple[int, int]]:
+    """:func:`archives_records` of the one archive at ``[start, end)`` of the file."""
+    return archives_records(view, fetch, [(start, view.nbytes if end is None else end)])[0]
+
+
+def _fetch_all_but_storages(view: memoryview, fetch: Fetch) -> None:
     """Read everything torch's parser looks at into ``view``: the zip directory, every local
     header, every record but the tensor storages (``*/data/<key>``), which stay unread."""
-    for name, (start, size) in archive_records(view, fetch).items():
-        if "/data/" not in name or name.endswith(".pkl"):
-            fetch(start, start + size)
+    fetch.many([(start, start + size) for name, (start, size) in archive_records(view, fetch).items()
+                if "/data/" not in name or name.endswith(".pkl")])
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -372,8 +394,9 @@ def read_state_into(
         return read_state_file(directory, name, meta, verify=verify, direct=direct)
     holder: dict[str, Any] = {}
 
-    def plan(mapping: Any, view: memoryview, fetch: Callable[[int, int], None]) -> list[Target]:
+    def plan(mapping: Any, view: memoryview, fetch: Fetch) -> list[Target]:
         _fetch_all_but_storages(view, fetch)
+        fetch.done()
         payload = holder["payload"] = _parse(view, mapping)
         if not isinstance(payload, dict) or payload.get("format") != FILE_FORMAT:
             raise FileProblem(f"{name} is not an {FILE_FORMAT} file")
