@@ -154,10 +154,12 @@ class StreamingReader(dcp.FileSystemReader):
 
     def prefetch(self) -> None:
         """Start reading the first file this rank reads whole now, on a thread of its own,
-        before DCP has planned the load (its metadata read, a few collectives): the items'
-        headers are read and parsed and the bulk of the file streams into the staging buffers
-        meanwhile, and ``read_data`` only has to say where the tensors go. Without it (or
-        when the metadata cannot be read here) the file is read when ``read_data`` asks.
+        before DCP has planned the load (its metadata read, a few collectives). The items'
+        headers are read before this returns (alone: queued behind the bulk or waiting for
+        the GIL behind this thread's work, each small read would take milliseconds); then the
+        bulk of the file streams into the staging buffers while the headers are parsed and DCP
+        plans, and ``read_data`` only has to say where the tensors go. Without it (or when
+        the metadata cannot be read here) the file is read when ``read_data`` asks.
         :meth:`close` stops it if the load never gets there."""
         try:
             metadata = self.read_metadata()
@@ -173,7 +175,10 @@ class StreamingReader(dcp.FileSystemReader):
                    if isinstance(meta, TensorStorageMetadata)}
         spans = sorted({(info.offset, info.offset + info.length) for index, info in storage.items()
                         if info.relative_path == names[0] and index.fqn in tensors})
-        read = self._early[names[0]] = _FileRead(self, names[0], spans)
+        try:
+            read = self._early[names[0]] = _FileRead(self, names[0], spans)
+        except CheckpointError:  # not in the manifest: read_data reports it
+            return
         # its small reads go first, alone: this thread's Python work would hold the GIL they
         # need after each read, and the bulk read would queue them behind its pieces
         read.headers_read.wait()
