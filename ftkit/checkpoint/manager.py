@@ -191,17 +191,12 @@ class Checkpointer(CheckpointManager):
             # straight into the live tensors only with an older checkpoint to overwrite them
             # if this one turns out corrupt during the read
             direct = step is None and any(validate_dir(p).valid for p in candidates[i + 1 :])
-            reader = self._streaming_reader(path) if direct else None
-            try:
-                problem = self._agree_valid(path, streamed=direct)
-                found = time.monotonic()
-                if not problem:
-                    problem = self._try_load(state, path, into_live=direct, reader=reader)
-                    if problem and direct and self._into_live_used:
-                        damaged = path
-            finally:
-                if reader is not None:
-                    reader.close()
+            problem = self._agree_valid(path, streamed=direct)
+            found = time.monotonic()
+            if not problem:
+                problem = self._try_load(state, path, into_live=direct)
+                if problem and direct and self._into_live_used:
+                    damaged = path
             if not problem:
                 self.loaded = validate_dir(path)
                 restored = int(self.loaded.step)
@@ -245,32 +240,30 @@ class Checkpointer(CheckpointManager):
         problems = [p for p in self.comm.gather(problem) if p]
         return problems[0] if problems else ""
 
-    def _streaming_reader(self, path: Path) -> Any:
-        """For a valid DCP checkpoint, the reader that reads its files into the live tensors.
-        None for another kind. (``load`` closes it, also when the checkpoint is skipped.)"""
-        info = validate_dir(path)
-        if not info.valid or not is_dcp(info.files):
-            return None
-        from .dcp_reader import StreamingReader
-
-        reader = StreamingReader(path / DCP_DIR, info.files, verify=self.config.verify_on_load,
-                                 direct=self.config.direct_io, rank=self.rank,
-                                 world_size=self.world_size if self.comm.distributed else 1)
-        return reader
-
-    def _try_load(self, state: Mapping[str, Any], path: Path, *, into_live: bool = False, reader: Any = None) -> str:
+    def _try_load(self, state: Mapping[str, Any], path: Path, *, into_live: bool = False) -> str:
         """Load ``path`` into ``state`` on any number of ranks (``state.keys``'s world-size rule).
 
         Returns a problem with the files (the checkpoint is skipped); a key of the state the
         checkpoint lacks raises (``state.keys``'s strictness rule), before anything is restored.
-        ``into_live`` (one process, a state file; a DCP checkpoint through ``reader``, a
-        :meth:`_streaming_reader`): the file's tensors are read straight into the live tensors
+        ``into_live`` (one process, a state file; a DCP checkpoint through a
+        :class:`ftkit.checkpoint.dcp_reader.StreamingReader`): the file's tensors are read straight into the live tensors
         that take them (:func:`ftkit.checkpoint.io.statefile.read_state_into`), so a corrupt
         file leaves its bytes there; ``_into_live_used`` says whether that happened.
         """
         self._into_live_used = False
         info = validate_dir(path)
-        return self._load_from(state, path, info, reader if into_live else None, into_live=into_live)
+        reader = None
+        if into_live and is_dcp(info.files):
+            from .dcp_reader import StreamingReader
+
+            reader = StreamingReader(path / DCP_DIR, info.files, verify=self.config.verify_on_load,
+                                     direct=self.config.direct_io, rank=self.rank,
+                                     world_size=self.world_size if self.comm.distributed else 1)
+        try:
+            return self._load_from(state, path, info, reader, into_live=into_live)
+        finally:
+            if reader is not None:
+                reader.close()  # a read it started and the load never took (a refused load)
 
     def _load_from(self, state: Mapping[str, Any], path: Path, info: CheckpointInfo, reader: Any, *,
                    into_live: bool) -> str:
