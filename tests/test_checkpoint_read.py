@@ -10,6 +10,7 @@ untouched when there is nothing older; with several ranks each file is checked b
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import itertools
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 from ftkit.checkpoint.format.manifest import verify_files, verify_share
+from ftkit.checkpoint.io import aio as _aio
 from ftkit.checkpoint.io import direct as _direct
 from ftkit.checkpoint.io import reader as _reader
 from ftkit.checkpoint.io import statefile as _single
@@ -41,30 +43,69 @@ def _entry(path) -> dict:
 
 class _Reads(list):
     """(inode, offset, bytes, O_DIRECT) of each read; ``bulk`` those of them made by the
-    reader's workers (the one pass over the file), ``small`` the others (headers, indexes)."""
+    reader's one pass over the file, ``small`` the others (headers, indexes)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bulk: list[tuple[int, int, int, bool]] = []
         self.small: list[tuple[int, int, int, bool]] = []
+        self.fds: dict[int, set[bool]] = {}  # inode -> O_DIRECT of every descriptor the kernel read it through
+        self.engines: set[str] = set()
+
+
+def _direct_fd(fd: int) -> bool:
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
 
 
 def _spy_reads(monkeypatch) -> _Reads:
-    """Every read the reader makes: (inode, offset, bytes, O_DIRECT)."""
+    """Every read the reader makes, whichever way (native AIO or threads): (inode, offset,
+    bytes read, O_DIRECT), the last from the descriptors handed to the kernel."""
     reads = _Reads()
-    real = os.preadv
+    real_completed, real_preadv, real_submit = _reader._Reads._completed, os.preadv, _aio.AioContext.submit
+
+    def completed(self, tag, view, offset, n, kind):
+        ino = os.fstat(self.source.fd).st_ino
+        record = (ino, offset, n, all(reads.fds.get(ino, {False})))
+        reads.append(record)
+        (reads.bulk if kind == "bulk" else reads.small).append(record)
+        reads.engines.add(self.engine)
+        return real_completed(self, tag, view, offset, n, kind)
 
     def preadv(fd, buffers, offset):
-        n = real(fd, buffers, offset)
-        direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
-        record = (os.fstat(fd).st_ino, offset, n, direct)
-        reads.append(record)
-        bulk = threading.current_thread().name.startswith("ftkit-read")
-        (reads.bulk if bulk else reads.small).append(record)
+        n = real_preadv(fd, buffers, offset)
+        if n:
+            reads.fds.setdefault(os.fstat(fd).st_ino, set()).add(_direct_fd(fd))
         return n
 
+    def submit(self, batch):
+        batch = list(batch)
+        for _tag, fd, *_ in batch:
+            reads.fds.setdefault(os.fstat(fd).st_ino, set()).add(_direct_fd(fd))
+        return real_submit(self, batch)
+
+    monkeypatch.setattr(_reader._Reads, "_completed", completed)
     monkeypatch.setattr(_reader.os, "preadv", preadv)
+    monkeypatch.setattr(_aio.AioContext, "submit", submit)
     return reads
+
+
+@pytest.fixture(params=["aio", "threads"])
+def engine(request, monkeypatch, tmp_path):
+    """The reader's two ways to keep reads in flight: native AIO where the kernel and the
+    filesystem give it (this machine's local disk), threads elsewhere."""
+    if request.param == "threads":
+        monkeypatch.setattr(_reader, "open_context", lambda depth: None)
+    else:
+        fd = os.open(tmp_path, os.O_RDONLY)
+        try:
+            fs = _aio.asynchronous_fs(fd)
+        finally:
+            os.close(fd)
+        ctx = _aio.open_context(1)
+        if ctx is None or fs is None:
+            pytest.skip(f"no native AIO here (kernel: {ctx is not None}, filesystem of {tmp_path}: {fs})")
+        ctx.close()
+    return request.param
 
 
 def _coverage(reads, ino: int) -> list[tuple[int, int]]:
@@ -72,7 +113,7 @@ def _coverage(reads, ino: int) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("chunk", [1 << 20, 16 << 20], ids=["1MiB-pieces", "16MiB-pieces"])
-def test_a_load_reads_every_byte_of_the_file_once_with_o_direct(tmp_path, monkeypatch, chunk):
+def test_a_load_reads_every_byte_of_the_file_once_with_o_direct(tmp_path, monkeypatch, chunk, engine):
     monkeypatch.setattr(_reader, "CHUNK", chunk)
     state = {"w": torch.randn(5_000_000), "b": torch.arange(7), "extra": {"value": 3}}
     mgr = make_mgr(tmp_path / "ck")
@@ -93,10 +134,11 @@ def test_a_load_reads_every_byte_of_the_file_once_with_o_direct(tmp_path, monkey
     assert sum(b - a for a, b in spans) == size
     assert all(d for i, _, n, d in reads if i == path.stat().st_ino and n)  # O_DIRECT reads
     assert crc_passes == []  # no verification pass besides the read
+    assert reads.engines == {engine}
 
 
 @pytest.mark.parametrize("direct", [None, False], ids=["o-direct", "page-cache"])
-def test_any_size_reads_back_byte_for_byte_with_zlibs_crc(tmp_path, monkeypatch, direct):
+def test_any_size_reads_back_byte_for_byte_with_zlibs_crc(tmp_path, monkeypatch, direct, engine):
     monkeypatch.setattr(_reader, "CHUNK", 64 << 10)  # many pieces, a window of them in flight
     rng = random.Random(7)
     piece = 64 << 10
@@ -118,42 +160,68 @@ def test_any_size_reads_back_byte_for_byte_with_zlibs_crc(tmp_path, monkeypatch,
             check_file(path, bad, direct=direct)
 
 
-def test_short_direct_reads_are_completed_through_the_page_cache(tmp_path, monkeypatch):
+def test_short_direct_reads_are_completed_through_the_page_cache(tmp_path, monkeypatch, engine):
+    """A direct read may stop anywhere, even off a block: the rest of the piece is read through
+    the page cache (with AIO, the bytes past the cut are wiped first, so only that read can
+    bring them back)."""
     monkeypatch.setattr(_reader, "CHUNK", 256 << 10)
     data = random.Random(1).randbytes(3 * (256 << 10) + 1000)
     path = tmp_path / "f"
     path.write_bytes(data)
     real = os.preadv
     kinds = []
+    cut = 4096 + 100  # as if the device stopped after 4196 bytes
 
-    def short(fd, buffers, offset):  # a direct read may stop anywhere, even off a block
-        direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+    def short(fd, buffers, offset):
+        direct = _direct_fd(fd)
         kinds.append(direct)
         if direct:
             view = memoryview(buffers[0])
             n = real(fd, [view[: min(view.nbytes, 8192)]], offset)
-            return min(n, 4096 + 100)  # as if the device stopped after 4196 bytes
+            return min(n, cut)
         return real(fd, buffers, offset)
 
     monkeypatch.setattr(_reader.os, "preadv", short)
+    if engine == "aio":
+        asked: dict[int, int] = {}
+        real_submit, real_wait = _aio.AioContext.submit, _aio.AioContext.wait
+
+        def submit(self, batch):
+            batch = list(batch)
+            asked.update((tag, address) for tag, _fd, address, *_ in batch)
+            kinds.extend(True for _ in batch)
+            return real_submit(self, batch)
+
+        def wait(self, least=1):
+            out = []
+            for tag, n in real_wait(self, least):
+                if n > cut:
+                    ctypes.memset(asked[tag] + cut, 0, n - cut)
+                    n = cut
+                out.append((tag, n))
+            return out
+
+        monkeypatch.setattr(_aio.AioContext, "submit", submit)
+        monkeypatch.setattr(_aio.AioContext, "wait", wait)
     _mapping, view = read_file(path, _entry(path))
     assert bytes(view) == data
     assert True in kinds and False in kinds  # the unaligned rest came through the page cache
 
 
-def test_a_file_that_changes_while_it_is_read_is_refused_by_name(tmp_path, monkeypatch):
+def test_a_file_that_changes_while_it_is_read_is_refused_by_name(tmp_path, monkeypatch, engine):
     monkeypatch.setattr(_reader, "CHUNK", 64 << 10)
     path = tmp_path / "rank-00000.pt"
     path.write_bytes(os.urandom(10 * (64 << 10)))
     meta = _entry(path)
-    real = _reader._Source.read
+    real = _reader._Reads.submit
 
-    def truncating(self, view, offset):
-        if offset == 0:
+    def truncating(self, reads, kind):
+        reads = list(reads)
+        if any(offset == 0 for _, offset in reads):
             os.truncate(path, 3 * (64 << 10) + 5)  # another process cuts it short
-        return real(self, view, offset)
+        return real(self, reads, kind)
 
-    monkeypatch.setattr(_reader._Source, "read", truncating)
+    monkeypatch.setattr(_reader._Reads, "submit", truncating)
     with pytest.raises(FileProblem, match=r"rank-00000\.pt: .* the file changed while it was read"):
         read_file(path, meta)
     with pytest.raises(FileProblem, match=r"rank-00000\.pt: size 196613 bytes, manifest says"):
@@ -281,7 +349,7 @@ def _two_checkpoints(root) -> dict:
 
 @pytest.mark.parametrize("chunk", [64 << 10, 16 << 20], ids=["pieces-inside-tensors", "16MiB-pieces"])
 def test_with_an_older_checkpoint_the_newest_is_read_once_straight_into_the_live_tensors(tmp_path, monkeypatch,
-                                                                                        chunk):
+                                                                                        chunk, engine):
     """An older checkpoint to fall back on: the newest file is read once, with O_DIRECT, and
     its tensors' bytes go straight into the live model's and optimizer's tensors (no fresh
     buffer for them, nothing allocated in their place); the state is exactly step 3's."""
@@ -310,6 +378,7 @@ def test_with_an_older_checkpoint_the_newest_is_read_once_straight_into_the_live
     assert sum(b - a for a, b in spans) <= path.stat().st_size + (1 << 20)  # + the zip directory
     tensors = sum(t.numel() * t.element_size() for t in _state(0)["model"].state_dict().values()) * 3
     assert into_buffer and into_buffer[0] * 4096 < tensors / 4  # the tensors' pages were never written there
+    assert reads.engines == {engine}
 
 
 def test_a_fresh_optimizer_gets_moments_of_its_own_read_straight_from_the_file(tmp_path):

@@ -5,11 +5,14 @@ file costs the kernel a fresh page for every 4 KiB plus a copy out of it, and a 
 pass before ``torch.load`` reads the file a second time (from memory if it stayed cached).
 Here a file is read with ``O_DIRECT`` (:func:`ftkit.checkpoint.io.direct.open_direct_read`;
 through the page cache with sequential read-ahead advice where the filesystem refuses it) in
-:data:`CHUNK`-byte pieces by :data:`DEPTH` reader threads that do nothing else, so that the
-device always has the next requests queued. :data:`WORKERS` other threads take the CRC-32 of
-each piece as it arrives and copy it to where its bytes are wanted (``ctypes.memmove``, the GIL
-released), while the piece is still in the CPU cache; the pieces' CRC-32s are combined in file
-order (``crc32_combine``), so no piece waits for the one before it. One pass over the bytes, no
+:data:`CHUNK`-byte pieces, :data:`DEPTH` of them in flight, so that the device always has the
+next requests queued. The reads are submitted and collected by the one thread that streams the
+file, through Linux native AIO where the kernel and the filesystem give it
+(:mod:`ftkit.checkpoint.io.aio`), else made by a few threads (:class:`_Threads`): a load starts
+no thread per read. As pieces arrive, that thread and up to :data:`WORKERS` ``- 1`` helpers take
+the CRC-32 of each and copy it to where its bytes are wanted (``ctypes.memmove``, the GIL
+released) while it is in the CPU cache; the pieces' CRC-32s are combined in file order
+(``crc32_combine``), so no piece waits for the one before it. One pass over the bytes, no
 verification pass of its own.
 
 Three destinations:
@@ -19,11 +22,11 @@ Three destinations:
   matched the manifest: the caller parses it in place
   (:func:`ftkit.checkpoint.io.statefile.read_state_file`) and nothing from a corrupt file ever
   reaches a live object;
-* :func:`check_file` only checksums, through a few reused staging buffers
-  (:func:`ftkit.checkpoint.io.direct.take_stage`): validating a file another process reads, or
-  one a library reads by itself (DCP's), without holding it in memory. ``cache=True`` reads it
-  through the page cache instead, so that the library's read that follows on this node finds
-  it there;
+* :func:`check_file` only checksums, through reused staging buffers
+  (:func:`ftkit.checkpoint.io.direct.take_stage`, :data:`STAGING` bytes): validating a file
+  another process reads, or one a library reads by itself (DCP's), without holding it in
+  memory. ``cache=True`` reads it through the page cache instead, so that the library's read
+  that follows on this node finds it there;
 * :func:`scatter_file` reads through the same reused staging buffers and copies each piece,
   once its CRC-32 is taken, to where its bytes are wanted: ranges of the file into memory of
   the caller's (the live tensors of a resume, which are already faulted in), the rest into
@@ -32,42 +35,64 @@ Three destinations:
   here; memory that is already in use costs only the copy. Where the bytes go is planned
   from the file's headers and index, read first by :class:`Fetch` in a few rounds of small
   reads that go out together before the bulk read starts (queued behind it, each would wait
-  for a whole piece); the plan's parsing runs while the first pieces are read. The bytes
-  reach the caller's memory before the CRC-32 of the whole file is known: a caller that
-  cannot afford a corrupt file's bytes there must not use it (:mod:`ftkit.checkpoint.manager`
-  uses it only when an older checkpoint is there to fall back on, which overwrites them).
+  for the pieces ahead of it); the plan's parsing runs while the first pieces are read. The
+  bytes reach the caller's memory before the CRC-32 of the whole file is known: a caller
+  that cannot afford a corrupt file's bytes there must not use it
+  (:mod:`ftkit.checkpoint.manager` uses it only when an older checkpoint is there to fall back
+  on, which overwrites them). Its ``place`` may copy asynchronously (to a GPU): it returns a
+  :class:`Fence`, and the staging buffer is reused only once that fence is passed.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import ctypes
+import functools
 import itertools
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from .aio import AioContext, asynchronous_fs, open_context
 from .direct import BLOCK, STAGE_BYTES, open_direct_read, read_buffer, take_stage
 from .files import CHECKSUM, crc32, crc32_combine
 
-__all__ = ["CHUNK", "DEPTH", "SUB", "Fetch", "FileProblem", "check_file", "read_file", "scatter_file"]
+__all__ = ["CHUNK", "DEPTH", "SUB", "Fence", "Fetch", "FileProblem", "check_file", "read_file", "scatter_file"]
 
-CHUNK = 8 << 20  # one request: whole blocks, at most a staging buffer
-DEPTH = 6  # requests in flight: a queue deep enough for an NVMe or virtio disk to stream
-WORKERS = 2  # threads that checksum and place the pieces read (~1 ms a piece here, a read ~3)
-STAGES = DEPTH + WORKERS  # staging buffers: one per read in flight, one per piece being placed
-SUB = 8 << 20  # a piece is checksummed and placed in parts this large (each still in the L3 cache; one
-# GIL hand-over per part: smaller parts were slower here)
+CHUNK = 2 << 20  # one request: whole blocks. Small enough that the reads in flight, which a device
+# tends to complete together, are placed soon after the last of them arrives; large enough for
+# the device to stream (the block layer splits requests at a few MiB anyway)
+DEPTH = 16  # requests in flight (32 MiB): a queue deep enough for an NVMe or virtio disk to stream
+STAGING = 64 << 20  # staging memory of a read (four of the pool's buffers): half in flight, half placed
+WORKERS = max(1, min(4, os.cpu_count() or 1))  # threads that checksum and place pieces (the caller's
+# one of them): a piece takes ~0.3 ms of CPU here and a read ~1-2 ms, but the reads in flight
+# complete together, and a fast array delivers more than one thread can place
+THREADS = 8  # reads in flight where they are made by threads (each thread costs a start)
+SUB = CHUNK  # a piece is checksummed and placed in parts this large (each still in the L2/L3 cache)
 FETCH = 8 << 10  # scatter_file's small reads (headers, an index) read at least this much at once
+SMALL_BATCH = 32  # small reads submitted at once
+RING = 64 + SMALL_BATCH  # an AIO context's room: every staging piece in flight, and a batch of small reads
+FRESH_THREADS = 64 << 20  # read_file reads a file from this size on into fresh memory on threads:
+# each read there faults in its pages first (the kernel pins them), so several threads fault in
+# parallel; a single submitting thread would fault them one after the other
 
 
 class FileProblem(Exception):
     """A file does not match its manifest entry (or cannot be read); ``str`` says how."""
+
+
+class Fence(Protocol):
+    """What ``place`` returns when its copies out of a staging buffer are still running (a CUDA
+    event after asynchronous host-to-device copies): the buffer is read into again only after
+    ``wait()`` returned."""
+
+    def wait(self) -> None: ...
 
 
 def _expected(name: str, meta: Mapping[str, Any]) -> tuple[int, str | None]:
@@ -102,10 +127,11 @@ class _Source:
         return os.fstat(self.fd).st_size
 
     def read(self, view: memoryview, offset: int) -> int:
-        """Fill ``view`` from ``offset``; fewer bytes only at the end of the file."""
+        """Fill ``view`` from ``offset``; fewer bytes only at the end of the file. (``view``
+        lies on a block boundary where ``offset`` does: a direct read needs both.)"""
         got = 0
         while got < view.nbytes:
-            aligned = got % BLOCK == 0
+            aligned = (offset + got) % BLOCK == 0
             fd = self.direct_fd if self.direct_fd is not None and aligned else self.fd
             n = os.preadv(fd, [view[got:]], offset + got)
             if n == 0:
@@ -126,135 +152,302 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def _stream(
-    source: _Source,
-    size: int,
-    *,
-    piece: Callable[[int], memoryview] | None = None,
-    stages: list[memoryview] | None = None,
-    place: Callable[[int, int, int], None] | None = None,
-    during: Callable[[Callable[[], None]], None] | None = None,
-) -> int:
-    """Read the file's ``size`` bytes in :data:`CHUNK` pieces and return their CRC-32.
+class _Aio:
+    """Reads queued on the device by native AIO (:mod:`ftkit.checkpoint.io.aio`): ``O_DIRECT``,
+    submitted and collected by the one thread that streams the file."""
 
-    :data:`DEPTH` reader threads only read: each takes the next piece of the file and a free
-    buffer (``piece(i)``, the piece's own place in memory, or one of the reused ``stages``),
-    reads it and hands it on. :data:`WORKERS` other threads take the CRC-32 of each piece that
-    arrived and give it to ``place(offset, address, n)`` (the file's bytes ``[offset, offset +
-    n)`` lie at ``address``), both in :data:`SUB`-byte parts, each placed right after its
-    CRC-32 read it, while it is in the CPU cache; then its staging buffer is free again. The
-    pieces' CRC-32s are combined in file order (``crc32_combine``), so nothing waits for
-    another piece: the device always has the next reads queued while the pieces before them
-    are checksummed and copied.
+    def __init__(self, ctx: AioContext, fd: int) -> None:
+        self._ctx, self._fd = ctx, fd
 
-    ``during(go)`` runs on the calling thread: a plan of where the bytes go, whose small reads
-    come first; it calls ``go()`` once they are done, and the bulk reads start then (or when
-    it returns). ``place`` is called only once it returned. A file that ends early or runs on
-    (changed since it was sized) is a problem; the first problem, or ``during``'s exception,
-    stops every thread at its next piece and is raised."""
-    pieces = -(-size // CHUNK)
-    crcs = [0] * pieces
-    claim = itertools.count()  # next() is atomic: each piece to one reader
-    go, planned, stop = threading.Event(), threading.Event(), threading.Event()
-    problems: list[BaseException] = []
-    free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
-    for view in stages or ():
-        free.put(view)
-    arrived: queue.SimpleQueue[tuple[int, memoryview, int] | None] = queue.SimpleQueue()
+    def submit(self, reads: list[tuple[int, memoryview, int]]) -> None:
+        self._ctx.submit([(tag, self._fd, _address(view), view.nbytes, offset) for tag, view, offset in reads])
 
-    def fail(exc: BaseException) -> None:
-        problems.append(exc)
-        stop.set()
+    def wait(self, least: int) -> list[tuple[int, int]]:
+        return self._ctx.wait(least)
 
-    def read() -> None:
-        try:
-            go.wait()
-            while not stop.is_set():
-                view = free.get() if stages else None
-                i = next(claim)
-                if i >= pieces or stop.is_set():
-                    if view is not None:
-                        free.put(view)
-                    return
-                if view is None:
-                    view = piece(i)  # type: ignore[misc]
-                want = min(CHUNK, size - i * CHUNK)
-                n = source.read(view, i * CHUNK)
-                if n != want:
-                    raise FileProblem(
-                        f"{source.path.name}: {i * CHUNK + n} bytes where the read expected "
-                        f"{i * CHUNK + want} (the manifest says {size}): the file changed while "
-                        "it was read"
-                    )
-                arrived.put((i, view, n))
-        except BaseException as exc:
-            fail(exc)
-
-    def work() -> None:
-        while (got := arrived.get()) is not None:
-            i, view, n = got
-            try:
-                if not stop.is_set():
-                    base = _address(view) if place is not None else 0
-                    crc = 0
-                    for lo in range(0, n, SUB):
-                        part = min(SUB, n - lo)
-                        crc = crc32(view[lo : lo + part], crc)
-                        if place is not None:
-                            planned.wait()
-                            if stop.is_set():
-                                break
-                            place(i * CHUNK + lo, base + lo, part)
-                    crcs[i] = crc
-            except BaseException as exc:
-                fail(exc)
-            finally:
-                if stages:
-                    free.put(view)
-
-    readers = min(DEPTH, max(1, pieces))
-    workers = min(WORKERS, max(1, pieces))
-    with ThreadPoolExecutor(readers + workers, thread_name_prefix="ftkit-read") as pool:
-        reading = [pool.submit(read) for _ in range(readers)]
-        working = [pool.submit(work) for _ in range(workers)]
-        try:
-            if during is not None:
-                during(go.set)
-        except BaseException:
-            stop.set()
-            raise
-        finally:
-            go.set()
-            planned.set()
-            try:
-                for fut in reading:
-                    fut.result()
-            except BaseException:  # an interrupt while waiting: the threads stop at their next piece
-                stop.set()
-                raise
-            finally:
-                for _ in working:
-                    arrived.put(None)
-            for fut in working:
-                fut.result()
-    if problems:
-        raise problems[0]
-    crc = 0
-    for i, part_crc in enumerate(crcs):
-        crc = crc32_combine(crc, part_crc, min(CHUNK, size - i * CHUNK))
-    return crc
+    def close(self) -> None:
+        self._ctx.close()
 
 
-def _open(path: Path, name: str, size: int, *, direct: bool | None, cache: bool) -> _Source:
+class _Threads:
+    """Reads made by up to :data:`THREADS` threads (``os.preadv``), started as reads are
+    submitted: where native AIO cannot be had, or would not be asynchronous (a buffered
+    descriptor, a network filesystem), and for reads into fresh memory (:data:`FRESH_THREADS`)."""
+
+    def __init__(self, source: _Source) -> None:
+        self._source = source
+        self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="ftkit-read")
+        self._done: queue.SimpleQueue[tuple[int, Future[int]]] = queue.SimpleQueue()
+        self._inflight = 0
+
+    def submit(self, reads: list[tuple[int, memoryview, int]]) -> None:
+        for tag, view, offset in reads:
+            future = self._pool.submit(self._source.read, view, offset)
+            self._inflight += 1
+            future.add_done_callback(functools.partial(self._finished, tag))
+
+    def _finished(self, tag: int, future: Future[int]) -> None:
+        self._done.put((tag, future))
+
+    def wait(self, least: int) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        while self._inflight and (len(out) < least or not self._done.empty()):
+            tag, future = self._done.get()
+            self._inflight -= 1
+            exc = future.exception()
+            if exc is None:
+                out.append((tag, future.result()))
+            elif isinstance(exc, OSError) and exc.errno:
+                out.append((tag, -exc.errno))
+            else:
+                raise exc
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _Reads:
+    """The reads of one open file, whichever way they are made (:class:`_Aio`, :class:`_Threads`):
+    ``submit`` queues reads of ``(view, offset)`` and returns their tags, :meth:`take` waits
+    for given ones, :meth:`take_any` for any; both give the bytes read, a short read already
+    completed where it can be (a direct read that stopped before the end of the file), so
+    fewer bytes than asked only at the end of the file. :meth:`close` waits for the reads in
+    flight: their memory may be reused after it."""
+
+    def __init__(self, source: _Source, *, fresh: bool = False) -> None:
+        self.source = source
+        self._size = source.size
+        self._tags = itertools.count()
+        self._asked: dict[int, tuple[memoryview, int, str]] = {}  # tag -> (view, offset, kind)
+        self._done: dict[int, int] = {}  # completed, not yet taken
+        self._engine: _Aio | _Threads = self._choose(fresh)
+
+    def _choose(self, fresh: bool) -> _Aio | _Threads:
+        fd = self.source.direct_fd
+        if fd is not None and not fresh and asynchronous_fs(fd):
+            ctx = open_context(RING)
+            if ctx is not None:
+                return _Aio(ctx, fd)
+        return _Threads(self.source)
+
+    @property
+    def engine(self) -> str:
+        return "aio" if isinstance(self._engine, _Aio) else "threads"
+
+    def submit(self, reads: Iterable[tuple[memoryview, int]], kind: str) -> list[int]:
+        batch = [(next(self._tags), view, offset) for view, offset in reads]
+        for tag, view, offset in batch:
+            self._asked[tag] = (view, offset, kind)
+        self._engine.submit(batch)
+        return [tag for tag, _, _ in batch]
+
+    def _collect(self, least: int) -> None:
+        for tag, n in self._engine.wait(least):
+            view, offset, kind = self._asked.pop(tag)
+            if n < 0:
+                raise OSError(-n, os.strerror(-n), str(self.source.path))
+            if n < view.nbytes and offset + n < self._size:  # a direct read cut short
+                n += self.source.read(view[n:], offset + n)
+            self._completed(tag, view, offset, n, kind)
+
+    def _completed(self, tag: int, view: memoryview, offset: int, n: int, kind: str) -> None:
+        """Every read ends here (``kind``: "bulk" or "small")."""
+        self._done[tag] = n
+
+    def take(self, tags: list[int]) -> list[int]:
+        while any(t not in self._done for t in tags):
+            self._collect(1)
+        return [self._done.pop(t) for t in tags]
+
+    def take_any(self, *, block: bool = True) -> list[tuple[int, int]]:
+        """Reads completed: at least one when ``block``, else those that already have."""
+        if not self._done or not block:
+            self._collect(1 if block and not self._done else 0)
+        done, self._done = self._done, {}
+        return list(done.items())
+
+    def close(self) -> None:
+        self._engine.close()
+
+
+@contextlib.contextmanager
+def _opened(path: Path, name: str, size: int, *, direct: bool | None, cache: bool,
+            fresh: bool = False) -> Iterator[_Reads]:
+    """``path`` open for reading (its size checked against the manifest's), and its reads;
+    on leaving, the reads in flight are waited for and the file closed."""
     try:
         source = _Source(path, direct=direct, cache=cache)
     except FileNotFoundError:
         raise FileProblem(f"{name} is missing") from None
-    actual = source.size
-    if actual != size:
+    except OSError as exc:
+        raise FileProblem(f"cannot read {name}: {exc.strerror or exc}") from exc
+    try:
+        actual = source.size
+        if actual != size:
+            raise FileProblem(f"{name}: size {actual} bytes, manifest says {size}")
+        reads = _Reads(source, fresh=fresh)
+        try:
+            yield reads
+        finally:
+            reads.close()
+    except OSError as exc:
+        raise FileProblem(f"cannot read {name}: {exc.strerror or exc}") from exc
+    finally:
         source.close()
-        raise FileProblem(f"{name}: size {actual} bytes, manifest says {size}")
-    return source
+
+
+def _stream(
+    reads: _Reads,
+    size: int,
+    *,
+    piece: Callable[[int], memoryview] | None = None,
+    stages: list[memoryview] | None = None,
+    place: Callable[[int, int, int], Fence | None] | None = None,
+    during: Callable[[Callable[[], None]], None] | None = None,
+) -> int:
+    """Read the file's ``size`` bytes in :data:`CHUNK` pieces and return their CRC-32.
+
+    The caller's thread keeps :data:`DEPTH` reads in flight (each into ``piece(i)``, the
+    piece's own place in memory, or one of the reused ``stages``) and collects them as they
+    complete; it and up to :data:`WORKERS` ``- 1`` helper threads take each arrived piece's
+    CRC-32 and give it to ``place(offset, address, n)`` (the file's bytes ``[offset, offset +
+    n)`` lie at ``address``) in :data:`SUB`-byte parts, each placed right after its CRC-32 read
+    it, while it is in the CPU cache (both release the GIL); then that buffer reads the next
+    piece. The device always has the next reads queued while pieces are checksummed and
+    copied; a device that completes the reads in flight together gets them placed in parallel.
+    ``place`` may return a :class:`Fence` for copies still running from the buffer: it is
+    waited for before the buffer is read into again, and before this returns. The pieces'
+    CRC-32s are combined in file order (``crc32_combine``).
+
+    ``during(go)`` runs first: a plan of where the bytes go, whose small reads come first; it
+    calls ``go()`` once they are done, and the bulk reads start then (or when it returns), so
+    the plan's parsing overlaps them. ``place`` is called only once it returned. A file that
+    ends early or runs on (changed since it was sized) is a problem, raised at once; the
+    caller's :meth:`_Reads.close` then waits for the reads still in flight."""
+    pieces = -(-size // CHUNK)
+    crcs = [0] * pieces
+    free = list(stages or ())  # buffers to read into (any thread gives one back)
+    fences: dict[int, Fence] = {}  # id of a staging view -> copies still reading it
+    inflight: dict[int, tuple[int, memoryview]] = {}  # tag -> (piece, buffer); the caller's alone
+    arrived: collections.deque[tuple[int, memoryview, int]] = collections.deque()  # read, not yet placed
+    turn = threading.Condition()  # guards free, fences, arrived, done, failed
+    done = [0]  # pieces placed
+    failed: list[BaseException] = []  # a helper's error, raised by the caller
+    stopping = [False]  # the caller's error: the helpers stop
+    helpers: list[threading.Thread] = []
+    claimed = 0
+    started = False
+
+    def fill(limit: int = DEPTH) -> None:
+        nonlocal claimed
+        batch: list[tuple[int, memoryview]] = []
+        while claimed < pieces and len(inflight) + len(batch) < limit:
+            if piece is not None:
+                view = piece(claimed)
+            else:
+                with turn:
+                    if not free:
+                        break
+                    view = free.pop()
+                    fence = fences.pop(id(view), None)
+                if fence is not None:
+                    fence.wait()
+            batch.append((claimed, view))
+            claimed += 1
+        tags = reads.submit([(view, i * CHUNK) for i, view in batch], "bulk")
+        inflight.update(zip(tags, batch, strict=True))
+
+    def settle(i: int, view: memoryview, n: int) -> None:
+        """Checksum and place one piece (any thread)."""
+        base = _address(view) if place is not None else 0
+        crc, fence = 0, None
+        for lo in range(0, n, SUB):
+            part = min(SUB, n - lo)
+            crc = crc32(view[lo : lo + part], crc)
+            if place is not None:
+                fence = place(i * CHUNK + lo, base + lo, part) or fence
+        with turn:
+            crcs[i] = crc
+            if fence is not None:
+                fences[id(view)] = fence
+            if piece is None:
+                free.append(view)
+            done[0] += 1
+            turn.notify_all()
+
+    def helper() -> None:
+        while True:
+            with turn:
+                while not arrived and not failed and not stopping[0] and done[0] < pieces:
+                    turn.wait()
+                if failed or stopping[0] or not arrived:
+                    return
+                got = arrived.popleft()
+            try:
+                settle(*got)
+            except BaseException as exc:
+                with turn:
+                    failed.append(exc)
+                    turn.notify_all()
+                return
+
+    def go() -> None:
+        nonlocal started
+        if started:
+            return
+        started = True
+        fill(max(DEPTH, len(free)))  # every staging buffer: the plan may take a while yet
+        for _ in range(min(WORKERS, pieces) - 1):  # they start while the first reads are in flight
+            thread = threading.Thread(target=helper, name="ftkit-read-place", daemon=True)
+            thread.start()
+            helpers.append(thread)
+
+    try:
+        if during is not None:
+            during(go)
+        go()
+        while True:
+            with turn:
+                if failed:
+                    raise failed[0]
+                if done[0] == pieces:
+                    break
+                waiting = bool(arrived)
+            got = reads.take_any(block=not waiting) if inflight else []
+            for tag, n in got:
+                i, view = inflight.pop(tag)
+                want = min(CHUNK, size - i * CHUNK)
+                if n != want:
+                    raise FileProblem(
+                        f"{reads.source.path.name}: {i * CHUNK + n} bytes where the read expected "
+                        f"{i * CHUNK + want} (the manifest says {size}): the file changed while it was read"
+                    )
+                with turn:
+                    arrived.append((i, view, n))
+                    turn.notify()
+            fill()  # the device gets the next reads (into the spare buffers) before these are placed
+            with turn:
+                mine = arrived.popleft() if arrived else None
+                if mine is None and not inflight and done[0] < pieces and not failed:
+                    turn.wait()  # the helpers have the last pieces
+            if mine is not None:
+                settle(*mine)
+                fill()  # its buffer reads the next piece while the others are placed
+    except BaseException:
+        with turn:  # the helpers stop at their next piece
+            stopping[0] = True
+            turn.notify_all()
+        raise
+    finally:
+        for thread in helpers:
+            thread.join()
+        for fence in fences.values():  # the copies out of the staging buffers are done
+            fence.wait()
+    crc = 0
+    for i, part_crc in enumerate(crcs):
+        crc = crc32_combine(crc, part_crc, min(CHUNK, size - i * CHUNK))
+    return crc
 
 
 def _check_crc(name: str, crc: int, want: str | None) -> None:
@@ -277,42 +470,32 @@ def read_file(
     name = path.name
     size, want = _expected(name, meta)
     mapping, whole = read_buffer(size)  # freed with the last view of it, also on an error
-    try:
-        source = _open(path, name, size, direct=direct, cache=False)
-        try:
-            crc = _stream(source, size, piece=lambda i: _piece(whole, i))
-        finally:
-            source.close()
-    except OSError as exc:
-        raise FileProblem(f"cannot read {name}: {exc.strerror or exc}") from exc
+    with _opened(path, name, size, direct=direct, cache=False, fresh=size >= FRESH_THREADS) as reads:
+        crc = _stream(reads, size, piece=lambda i: _piece(whole, i))
     if verify:
         _check_crc(name, crc, want)
     return mapping, whole[:size]
 
 
-def _staged(
-    path: Path, name: str, size: int, *, direct: bool | None, cache: bool,
-    prepare: Callable[[_Source], tuple[Callable[[Callable[[], None]], None], Callable[[int, int, int], None]]]
-    | None = None,
-) -> int:
-    """The CRC-32 of ``path``'s ``size`` bytes read through :data:`STAGES` reused staging
-    buffers. ``prepare(source)``, called once the file is open, returns ``_stream``'s
+Prepare = Callable[[_Reads], tuple[Callable[[Callable[[], None]], None], Callable[[int, int, int], Fence | None]]]
+"""``prepare(reads)``: ``_stream``'s ``during`` and ``place`` for a file once it is open."""
+
+
+def _staged(path: Path, name: str, size: int, *, direct: bool | None, cache: bool,
+            prepare: Prepare | None = None) -> int:
+    """The CRC-32 of ``path``'s ``size`` bytes read through :data:`STAGING` bytes of reused
+    staging buffers. ``prepare(reads)``, called once the file is open, returns ``_stream``'s
     ``during`` and ``place``."""
-    count = min(STAGES, max(1, -(-size // CHUNK)))
+    count = min(max(2, STAGING // CHUNK), max(1, -(-size // CHUNK)))
     per = max(1, STAGE_BYTES // CHUNK)  # pieces per staging buffer
     stages = [take_stage() for _ in range(-(-count // per))]
     try:
-        source = _open(path, name, size, direct=direct, cache=cache)
-        try:
+        with _opened(path, name, size, direct=direct, cache=cache) as reads:
             views = [view[k * CHUNK : (k + 1) * CHUNK] for view, _ in stages for k in range(per)][:count]
-            during, place = prepare(source) if prepare is not None else (None, None)
-            return _stream(source, size, stages=views, place=place, during=during)
-        finally:
-            source.close()
-    except OSError as exc:
-        raise FileProblem(f"cannot read {name}: {exc.strerror or exc}") from exc
+            during, place = prepare(reads) if prepare is not None else (None, None)
+            return _stream(reads, size, stages=views, place=place, during=during)
     finally:
-        for _, release in stages:
+        for _, release in stages:  # after the reads in flight were waited for
             release()
 
 
@@ -322,7 +505,7 @@ def check_file(
 ) -> None:
     """Check ``path``'s size and CRC-32 against its manifest entry; :class:`FileProblem` if not.
 
-    Reads through :data:`DEPTH` reused staging buffers, with ``O_DIRECT`` unless ``cache``
+    Reads through :data:`STAGING` bytes of reused staging buffers, with ``O_DIRECT`` unless ``cache``
     (then through the page cache, which keeps the file for a read on this node that follows)."""
     name = name or path.name
     size, want = _expected(name, meta)
@@ -334,16 +517,16 @@ class Fetch:
     """Small reads of a file (headers, an index) into the read buffer, at their offsets.
 
     ``fetch(start, end)`` reads bytes ``[start, end)`` unless an earlier fetch read them;
-    ``fetch.many(ranges)`` reads several ranges at once, on helper threads, so that they wait
-    for the device together (the bulk of the file is being read beside them) instead of one
-    after the other. Each read covers whole blocks and at least :data:`FETCH` bytes, with
-    ``O_DIRECT`` where the file was opened with it: nothing goes through the page cache."""
+    ``fetch.many(ranges)`` reads several ranges at once (submitted together, so that they wait
+    for the device together instead of one after the other). Each read covers whole blocks
+    and at least :data:`FETCH` bytes, with ``O_DIRECT`` where the file was opened with it:
+    nothing goes through the page cache."""
 
-    def __init__(self, source: _Source, whole: memoryview, size: int) -> None:
-        self._source, self._whole, self._size = source, whole, size
+    def __init__(self, reads: _Reads, whole: memoryview, size: int) -> None:
+        self._reads, self._whole, self._size = reads, whole, size
         self.finished: Callable[[], None] = lambda: None
-        self._done: list[tuple[int, int]] = []
-        self._lock = threading.Lock()
+        self._starts: list[int] = []  # what was read: sorted, disjoint [start, end) spans
+        self._ends: list[int] = []
 
     def __call__(self, start: int, end: int) -> None:
         self.many([(start, end)])
@@ -354,7 +537,19 @@ class Fetch:
         self.finished()
 
     def _covered(self, start: int, end: int) -> bool:
-        return any(a <= start and end <= b for a, b in reversed(self._done))
+        i = bisect.bisect_right(self._starts, start) - 1
+        return i >= 0 and end <= self._ends[i]
+
+    def _add(self, a: int, b: int) -> None:
+        i = bisect.bisect_left(self._starts, a)
+        if i and self._ends[i - 1] >= a:  # joins the one before
+            i -= 1
+            a = self._starts[i]
+        j = i
+        while j < len(self._starts) and self._starts[j] <= b:  # and those it reaches
+            b = max(b, self._ends[j])
+            j += 1
+        self._starts[i:j], self._ends[i:j] = [a], [b]
 
     def many(self, ranges: Iterable[tuple[int, int]]) -> None:
         spans: list[tuple[int, int]] = []
@@ -368,23 +563,15 @@ class Fetch:
                 spans[-1] = (spans[-1][0], max(b, spans[-1][1]))
             else:
                 spans.append((a, b))
-        if not spans:
-            return
-
-        def read(span: tuple[int, int]) -> None:
-            a, b = span
-            want = min(b, self._size) - a
-            if self._source.read(self._whole[a:b], a) < want:
-                raise FileProblem(f"{self._source.path.name}: ends before byte {a + want} (the manifest "
-                                  f"says {self._size})")
-
-        if len(spans) == 1:
-            read(spans[0])
-        else:
-            with ThreadPoolExecutor(min(16, len(spans)), thread_name_prefix="ftkit-fetch") as pool:
-                list(pool.map(read, spans))
-        with self._lock:
-            self._done += [(a, min(b, self._size)) for a, b in spans]
+        for k in range(0, len(spans), SMALL_BATCH):
+            batch = spans[k : k + SMALL_BATCH]
+            tags = self._reads.submit([(self._whole[a:b], a) for a, b in batch], "small")
+            for (a, b), n in zip(batch, self._reads.take(tags), strict=True):
+                want = min(b, self._size) - a
+                if n < want:
+                    raise FileProblem(f"{self._reads.source.path.name}: ends before byte {a + want} (the "
+                                      f"manifest says {self._size})")
+                self._add(a, min(b, self._size))
 
 
 Target = tuple[int, int, memoryview]
@@ -418,8 +605,8 @@ def scatter_file(
     whole_at = _address(whole) if size else 0
     plan_of: dict[str, Any] = {}
 
-    def prepare(source: _Source) -> tuple[Callable[[], None], Callable[[int, int, int], None]]:
-        fetch = Fetch(source, whole, size)
+    def prepare(reads: _Reads) -> tuple[Callable[[Callable[[], None]], None], Callable[[int, int, int], None]]:
+        fetch = Fetch(reads, whole, size)
 
         def during(go: Callable[[], None]) -> None:
             fetch.finished = go  # the plan's small reads first, then the bulk
