@@ -155,12 +155,12 @@ class StreamingReader(dcp.FileSystemReader):
     def prefetch(self) -> None:
         """Start reading the first file this rank reads whole now, on a thread of its own,
         before DCP has planned the load (its metadata read, a few collectives). The items'
-        headers are read before this returns (alone: queued behind the bulk or waiting for
-        the GIL behind this thread's work, each small read would take milliseconds); then the
-        bulk of the file streams into the staging buffers while the headers are parsed and DCP
-        plans, and ``read_data`` only has to say where the tensors go. Without it (or when
-        the metadata cannot be read here) the file is read when ``read_data`` asks.
-        :meth:`close` stops it if the load never gets there."""
+        headers are read before this returns (alone: queued behind a bulk read, each small
+        read would wait for it, up to the I/O scheduler's deadline: half a second under
+        Linux's mq-deadline); then the bulk of the file streams into the staging buffers while
+        the headers are parsed and DCP plans, and ``read_data`` only has to say where the
+        tensors go. Without it (or when the metadata cannot be read here) the file is read when
+        ``read_data`` asks. :meth:`close` stops it if the load never gets there."""
         try:
             metadata = self.read_metadata()
         except Exception:  # DCP's own read of it reports the problem
@@ -180,7 +180,7 @@ class StreamingReader(dcp.FileSystemReader):
         except CheckpointError:  # not in the manifest: read_data reports it
             return
         # its small reads go first, alone: this thread's Python work would hold the GIL they
-        # need after each read, and the bulk read would queue them behind its pieces
+        # need after each read, and a bulk read would queue them behind its pieces
         read.headers_read.wait()
 
     def close(self) -> None:

@@ -35,7 +35,14 @@ from .format.commit import Committer, save_error
 from .format.layout import DCP_DIR, list_step_dirs, rank_file, step_name
 from .format.manifest import validate_dir, verify_files, verify_share
 from .format.pins import pin_checkpoint
-from .io.statefile import WriteProgress, read_state_file, read_state_into, write_state_file
+from .io.statefile import (
+    WriteProgress,
+    parse_state_file,
+    read_state_bytes,
+    read_state_file,
+    read_state_into,
+    write_state_file,
+)
 from .protocol import CheckpointManager
 from .state.keys import check_missing, describe_rule, is_dcp, match_keys
 from .state.restore import live_targets, own_tensors, restore_state
@@ -44,6 +51,22 @@ from .state.snapshot import Snapshot, derive_rng, restore_rng, take_snapshot
 __all__ = ["Checkpointer"]
 
 log = logging.getLogger(__name__)
+
+
+class _EarlyRead:
+    """A DCP checkpoint's read begun before the ranks agreed to load it (:meth:`Checkpointer._start_read`):
+    its streaming reader, this rank's state file's bytes (parsed once the load is agreed), or
+    the problem met reading them."""
+
+    def __init__(self, reader: Any) -> None:
+        self.reader = reader
+        self.state_file: tuple[Any, memoryview] | None = None
+        self.problem = ""
+
+    def close(self) -> None:
+        """Stop a read the load never took (a refused load), and free the state file's bytes."""
+        self.reader.close()
+        self.state_file = None
 
 
 class Checkpointer(CheckpointManager):
@@ -191,12 +214,18 @@ class Checkpointer(CheckpointManager):
             # straight into the live tensors only with an older checkpoint to overwrite them
             # if this one turns out corrupt during the read
             direct = step is None and any(validate_dir(p).valid for p in candidates[i + 1 :])
-            problem = self._agree_valid(path, streamed=direct)
-            found = time.monotonic()
-            if not problem:
-                problem = self._try_load(state, path, into_live=direct)
-                if problem and direct and self._into_live_used:
-                    damaged = path
+            problem = self._check_here(path, streamed=direct)
+            early = self._start_read(path) if direct and not problem else None
+            try:
+                problem = self._agree(problem or (early.problem if early is not None else ""))
+                found = time.monotonic()
+                if not problem:
+                    problem = self._try_load(state, path, into_live=direct, early=early)
+                    if problem and direct and self._into_live_used:
+                        damaged = path
+            finally:
+                if early is not None:
+                    early.close()  # a read it started and the load never took (a refused load)
             if not problem:
                 self.loaded = validate_dir(path)
                 restored = int(self.loaded.step)
@@ -227,75 +256,101 @@ class Checkpointer(CheckpointManager):
         log.info("no valid checkpoint in %s: starting fresh", self.root)
         return None
 
-    def _agree_valid(self, path: Path, *, streamed: bool = False) -> str:
-        """Sizes here; with several ranks each rank also checks its share of the checksums
-        (not the DCP files when ``streamed``: the ranks that read them check them then)."""
+    def _check_here(self, path: Path, *, streamed: bool = False) -> str:
+        """This rank's part of validating ``path``: sizes; with several ranks also its share of
+        the checksums (not the DCP files when ``streamed``: the ranks that read them check them
+        then). Small files, read before any bulk read queues on the device."""
         info = validate_dir(path)
-        problem = "" if info.valid else f"{info.status}: {info.reason}"
-        if not problem and self.comm.distributed and self.config.verify_on_load:
+        if not info.valid:
+            return f"{info.status}: {info.reason}"
+        if self.comm.distributed and self.config.verify_on_load:
             skip = [n for n in info.files if n.startswith("rank-")  # checked as they are read
                     or (streamed and n.startswith(f"{DCP_DIR}/") and n.endswith(".distcp"))]
-            mine = verify_share(info.files, self.rank, self.world_size, skip=skip)
-            problem = verify_files(path, info.files, mine, cache=True)
+            return verify_files(path, info.files, verify_share(info.files, self.rank, self.world_size, skip=skip),
+                                cache=True)
+        return ""
+
+    def _agree(self, problem: str) -> str:
+        """The first rank's problem with the checkpoint, the same on every rank."""
         problems = [p for p in self.comm.gather(problem) if p]
         return problems[0] if problems else ""
 
-    def _try_load(self, state: Mapping[str, Any], path: Path, *, into_live: bool = False) -> str:
+    def _state_file(self, info: CheckpointInfo, path: Path) -> tuple[str, bool]:
+        """The state file this rank loads, and whether it is its own (else rank 0's)."""
+        name = rank_file(self.rank)
+        if name in info.files:
+            return name, True
+        if self.rank < int(info.world_size or 1):
+            log.warning("%s has no %s although saved by %d ranks; using rank 0's", path, name, info.world_size)
+        return rank_file(0), False
+
+    def _start_read(self, path: Path) -> _EarlyRead | None:
+        """A DCP checkpoint read straight into the live tensors starts before the ranks agree
+        that it is valid: this rank's state file is read (a small read, parsed later) and its
+        own DCP file starts streaming (:meth:`ftkit.checkpoint.dcp_reader.StreamingReader.prefetch`),
+        so the agreement, the state file's parse and DCP's planning overlap the bulk read.
+        Nothing reaches the live state before the load is agreed. None for other checkpoints."""
+        info = validate_dir(path)
+        if not is_dcp(info.files):
+            return None
+        from .dcp_reader import StreamingReader
+
+        reader = StreamingReader(path / DCP_DIR, info.files, verify=self.config.verify_on_load,
+                                 direct=self.config.direct_io, rank=self.rank,
+                                 world_size=self.world_size if self.comm.distributed else 1)
+        early = _EarlyRead(reader)
+        name, _ = self._state_file(info, path)
+        try:
+            early.state_file = read_state_bytes(path, name, info.files[name], verify=self.config.verify_on_load,
+                                                direct=self.config.direct_io)
+            reader.prefetch()  # after the small read above, which would queue behind its bulk
+        except Exception as exc:  # this rank's problem: every rank skips the checkpoint (none may hang)
+            early.problem = str(exc) or type(exc).__name__
+        return early
+
+    def _try_load(self, state: Mapping[str, Any], path: Path, *, into_live: bool = False,
+                  early: _EarlyRead | None = None) -> str:
         """Load ``path`` into ``state`` on any number of ranks (``state.keys``'s world-size rule).
 
         Returns a problem with the files (the checkpoint is skipped); a key of the state the
         checkpoint lacks raises (``state.keys``'s strictness rule), before anything is restored.
-        ``into_live`` (one process, a state file; a DCP checkpoint through a
-        :class:`ftkit.checkpoint.dcp_reader.StreamingReader`): the file's tensors are read straight into the live tensors
-        that take them (:func:`ftkit.checkpoint.io.statefile.read_state_into`), so a corrupt
-        file leaves its bytes there; ``_into_live_used`` says whether that happened.
+        ``into_live`` (one process, a state file; a DCP checkpoint through the
+        :class:`ftkit.checkpoint.dcp_reader.StreamingReader` of ``early``, :meth:`_start_read`):
+        the file's tensors are read straight into the live tensors that take them
+        (:func:`ftkit.checkpoint.io.statefile.read_state_into`), so a corrupt file leaves its
+        bytes there; ``_into_live_used`` says whether that happened.
         """
         self._into_live_used = False
-        info = validate_dir(path)
-        reader = None
-        if into_live and is_dcp(info.files):
-            from .dcp_reader import StreamingReader
+        return self._load_from(state, path, validate_dir(path), early, into_live=into_live)
 
-            reader = StreamingReader(path / DCP_DIR, info.files, verify=self.config.verify_on_load,
-                                     direct=self.config.direct_io, rank=self.rank,
-                                     world_size=self.world_size if self.comm.distributed else 1)
-        try:
-            return self._load_from(state, path, info, reader, into_live=into_live)
-        finally:
-            if reader is not None:
-                reader.close()  # a read it started and the load never took (a refused load)
-
-    def _load_from(self, state: Mapping[str, Any], path: Path, info: CheckpointInfo, reader: Any, *,
-                   into_live: bool) -> str:
-        """:meth:`_try_load` of the checkpoint ``info`` describes, DCP files through ``reader`` if given."""
+    def _load_from(self, state: Mapping[str, Any], path: Path, info: CheckpointInfo, early: _EarlyRead | None,
+                   *, into_live: bool) -> str:
+        """:meth:`_try_load` of the checkpoint ``info`` describes, with the read ``early`` started."""
         saved_world = int(info.world_size or 1)
         sharded = is_dcp(info.files)
-        name = rank_file(self.rank)
-        own = name in info.files
-        if not own:
-            if self.rank < saved_world:
-                log.warning("%s has no %s although saved by %d ranks; using rank 0's", path, name, saved_world)
-            name = rank_file(0)
+        name, own = self._state_file(info, path)
+        reader = early.reader if early is not None else None
         problem = ""
         payload: dict[str, Any] = {}
         available: set[str] = set()
         try:
             verify = self.config.verify_on_load  # a state file is checked as it is read
             if verify and sharded and not self.comm.distributed and not into_live:
-                # one process reads every dcp/ file (with several ranks, _agree_valid shares them)
+                # one process reads every dcp/ file (with several ranks, _check_here shares them)
                 dcp_files = [f for f in sorted(info.files) if f.startswith(f"{DCP_DIR}/")]
                 problem = verify_files(path, info.files, dcp_files, cache=True)
                 if problem:
                     raise CheckpointError(problem)
-            if into_live and not sharded and not self.comm.distributed:
+            if early is not None and early.state_file is not None:  # read by _start_read
+                payload = parse_state_file(path / name, early.state_file)
+                early.state_file = None
+            elif into_live and not sharded and not self.comm.distributed:
                 payload = read_state_into(path, name, info.files[name], lambda p: self._targets(state, p, path),
                                           verify=verify, direct=self.config.direct_io)
             else:
                 payload = read_state_file(path, name, info.files[name], verify=verify, mmap=True,
                                           direct=self.config.direct_io)
             available = set(payload["state"])
-            if reader is not None:  # this rank's own DCP file streams while DCP plans the load
-                reader.prefetch()  # (after the small reads above, which would queue behind it)
             if sharded:
                 from .dcp import saved_keys
 

@@ -40,7 +40,8 @@ from .direct import BLOCK, address
 from .files import CHECKSUM, HashingWriter
 from .reader import Fetch, FileProblem, Target, read_file, scatter_file
 
-__all__ = ["FILE_FORMAT", "read_state_file", "read_state_into", "write_state_file"]
+__all__ = ["FILE_FORMAT", "parse_state_file", "read_state_bytes", "read_state_file", "read_state_into",
+           "write_state_file"]
 
 log = logging.getLogger(__name__)
 
@@ -242,11 +243,23 @@ def read_state_file(
     (:func:`ftkit.checkpoint.state.restore.own_tensors`) so that no kept tensor holds all of it.
     """
     del mmap  # every load is in place now; see the docstring
-    path = directory / name
+    return parse_state_file(directory / name, read_state_bytes(directory, name, meta, verify=verify, direct=direct))
+
+
+def read_state_bytes(directory: Path, name: str, meta: Mapping[str, Any], *, verify: bool = True,
+                     direct: bool | None = None) -> tuple[Any, memoryview]:
+    """The first half of :func:`read_state_file`: the file's bytes, checked (``(mapping, view)``
+    of :func:`ftkit.checkpoint.io.reader.read_file`), for :func:`parse_state_file` later: a
+    load reads its small state file, starts the bulk of its other files, then parses."""
     try:
-        mapping, view = read_file(path, meta, verify=verify, direct=direct)
+        return read_file(directory / name, meta, verify=verify, direct=direct)
     except FileProblem as exc:
         raise CheckpointError(f"{directory}: {exc}") from exc
+
+
+def parse_state_file(path: Path, read: tuple[Any, memoryview]) -> dict[str, Any]:
+    """The second half of :func:`read_state_file`: the payload of the bytes ``read`` of ``path``."""
+    mapping, view = read
     try:
         payload = _parse(view, mapping)
     except Exception as exc:
