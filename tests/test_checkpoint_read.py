@@ -10,6 +10,7 @@ untouched when there is nothing older; with several ranks each file is checked b
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import errno
 import fcntl
@@ -18,6 +19,7 @@ import os
 import random
 import shutil
 import threading
+import time
 import zlib
 
 import pytest
@@ -560,3 +562,62 @@ def test_a_dcp_load_that_stops_before_the_read_leaves_no_reader_running_and_the_
         make_mgr(root).load(state)
     assert not [t.name for t in threading.enumerate() if t.name.startswith(("ftkit-dcp-file", "ftkit-read"))]
     assert all(torch.equal(v, before[k]) for k, v in state["model"].state_dict().items())
+
+
+class _LateCopies:
+    """A destination that copies as a GPU's DMA does: later, on another thread, from the staging
+    buffer's address; with ``fence``, ``write`` returns what says when the copy ran."""
+
+    def __init__(self, nbytes: int, *, fence: bool) -> None:
+        self.memory = bytearray(nbytes)
+        self._at = ctypes.addressof(ctypes.c_char.from_buffer(self.memory))
+        self._fence = fence
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="late-copy")
+
+    def write(self, at, src, n):
+        def copy():
+            time.sleep(0.002)  # the copy runs while the reader goes on
+            ctypes.memmove(self._at + at, src, n)
+
+        future = self._pool.submit(copy)
+        return _FutureFence(future) if self._fence else None
+
+    def close(self):
+        self._pool.shutdown(wait=True)
+
+
+class _FutureFence:
+    def __init__(self, future):
+        self._future = future
+
+    def wait(self):
+        self._future.result()
+
+
+def test_a_staging_buffer_is_read_into_again_only_after_the_copies_out_of_it_ran(tmp_path, monkeypatch, engine):
+    """The GPU path's contract, on a CPU: a destination whose copies run later (from the staging
+    buffer, as a host-to-device DMA does) gets the file's exact bytes, because the reader waits
+    for each copy's fence before it reads into that buffer again, and for all of them before it
+    returns. The control, the same late copies without fences, gets bytes of later pieces: the
+    test would catch a reader that reused buffers early."""
+    monkeypatch.setattr(_reader, "CHUNK", 64 << 10)
+    monkeypatch.setattr(_reader, "SUB", 64 << 10)
+    monkeypatch.setattr(_reader, "STAGING", 4 * (64 << 10))  # four buffers, each reused many times
+    data = random.Random(11).randbytes(48 * (64 << 10) + 777)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    lo, hi = 1000, len(data) - 500  # one target: nearly the whole file
+    results = {}
+    for fence in (True, False):
+        dest = _LateCopies(hi - lo, fence=fence)
+
+        def plan(mapping, view, fetch, dest=dest):
+            return [(lo, hi, dest)]
+
+        try:
+            _reader.scatter_file(path, _entry(path), plan)
+        finally:
+            dest.close()
+        results[fence] = bytes(dest.memory)
+    assert results[True] == data[lo:hi]
+    assert results[False] != data[lo:hi]  # the control: without fences the late copies read reused buffers

@@ -6,8 +6,9 @@ DCP resolved for it, and ftkit had read the same file once before to check its C
 :class:`StreamingReader` reads each file the load needs with :func:`ftkit.checkpoint.io.reader.scatter_file`:
 once, with ``O_DIRECT``, through reused staging buffers, the CRC-32 compared with the
 manifest as the pieces arrive; each tensor item's bytes go straight into the tensor DCP
-resolved for it (the live model's and optimizer's memory), so no fresh memory is faulted in
-for them.
+resolved for it (the live model's and optimizer's memory; on a GPU, by host-to-device copies
+from pinned staging as the pieces arrive, :mod:`ftkit.checkpoint.io.device`), so no fresh
+memory is faulted in for them.
 
 Each tensor item of a ``.distcp`` file is a small ``torch.save`` archive. Before the bulk of
 the file is read, the local headers of each archive and its pickle are read (a few hundred
@@ -46,7 +47,9 @@ from torch.serialization import _weights_only_unpickler
 
 from ..errors import CheckpointError
 from .format.layout import DCP_DIR
-from .io.reader import Fetch, FileProblem, Target, check_file, scatter_file
+from .io.device import DeviceCopies
+from .io.device import wanted as device_copies_wanted
+from .io.reader import CHUNK, STAGING, Fetch, FileProblem, Target, check_file, scatter_file
 from .io.statefile import archives_records, tensor_memory
 
 __all__ = ["CorruptFile", "StreamingReader", "corrupt_file_in"]
@@ -277,6 +280,7 @@ class _FileRead:
         self._after: list[tuple[Any, str, Any]] = []  # (item, how, what) for once the file is read
         self._result: tuple[Any, memoryview] | None = None
         self._error: BaseException | None = None
+        self._copies: DeviceCopies | None = None
         self.headers_read = threading.Event()  # the small reads are over (or the read ended)
         self._thread = threading.Thread(target=self._run, name="ftkit-dcp-file", daemon=True)
         self._thread.start()
@@ -292,9 +296,16 @@ class _FileRead:
         self._thread.join()
 
     def _run(self) -> None:
+        # live tensors on a GPU: pinned staging, each piece copied to the device as it arrives
+        self._copies = DeviceCopies(chunk=CHUNK, count=STAGING // CHUNK) if device_copies_wanted() else None
         try:
-            self._result = scatter_file(self.path, self._meta, self._plan, verify=self._reader._verify,
-                                        direct=self._reader._direct)
+            try:
+                self._result = scatter_file(self.path, self._meta, self._plan, verify=self._reader._verify,
+                                            direct=self._reader._direct,
+                                            stages=self._copies.stages() if self._copies is not None else None)
+            finally:
+                if self._copies is not None:
+                    self._copies.finish()
         except FileProblem as exc:
             self._error = CorruptFile(f"{self._reader._root.parent}: {exc}")
             self._error.__cause__ = exc
@@ -342,7 +353,8 @@ class _FileRead:
             target = planner.resolve_tensor(item).detach()
             if target.size() != narrowed.size():
                 raise CheckpointError(f"{where}: saved {tuple(narrowed.size())}, live {tuple(target.size())}")
-            if (narrowed.is_contiguous() and target.is_contiguous() and target.device.type == "cpu"
+            on_gpu = target.device.type == "cuda" and self._copies is not None
+            if (narrowed.is_contiguous() and target.is_contiguous() and (target.device.type == "cpu" or on_gpu)
                     and target.dtype == narrowed.dtype and narrowed.numel() > 0):
                 start = data_start + narrowed.storage_offset() * narrowed.element_size()
                 aims.append((start, start + narrowed.numel() * narrowed.element_size(), item, target))
@@ -353,7 +365,9 @@ class _FileRead:
         for i, (start, end, item, target) in enumerate(aims):
             if i and aims[i - 1][1] > start:
                 raise _Unsupported(f"{self.path}: items overlap")
-            targets.append((start, end, tensor_memory(target)))
+            dest = (self._copies.target(target) if target.device.type == "cuda" and self._copies is not None
+                    else tensor_memory(target))
+            targets.append((start, end, dest))
             self._after.append((item, "direct", target))
         return targets
 

@@ -63,7 +63,8 @@ from .aio import AioContext, asynchronous_fs, open_context
 from .direct import BLOCK, STAGE_BYTES, open_direct_read, read_buffer, take_stage
 from .files import CHECKSUM, crc32, crc32_combine
 
-__all__ = ["CHUNK", "DEPTH", "SUB", "Fence", "Fetch", "FileProblem", "check_file", "read_file", "scatter_file"]
+__all__ = ["CHUNK", "DEPTH", "SUB", "Destination", "Fence", "Fetch", "FileProblem", "Target", "check_file", "read_file",
+           "scatter_file"]
 
 CHUNK = 2 << 20  # one request: whole blocks. Small enough that the reads in flight, which a device
 # tends to complete together, are placed soon after the last of them arrives; large enough for
@@ -482,20 +483,21 @@ Prepare = Callable[[_Reads], tuple[Callable[[Callable[[], None]], None], Callabl
 
 
 def _staged(path: Path, name: str, size: int, *, direct: bool | None, cache: bool,
-            prepare: Prepare | None = None) -> int:
+            prepare: Prepare | None = None, stages: list[memoryview] | None = None) -> int:
     """The CRC-32 of ``path``'s ``size`` bytes read through :data:`STAGING` bytes of reused
-    staging buffers. ``prepare(reads)``, called once the file is open, returns ``_stream``'s
-    ``during`` and ``place``."""
+    staging buffers (the pool's, or ``stages``). ``prepare(reads)``, called once the file is
+    open, returns ``_stream``'s ``during`` and ``place``."""
     count = min(max(2, STAGING // CHUNK), max(1, -(-size // CHUNK)))
     per = max(1, STAGE_BYTES // CHUNK)  # pieces per staging buffer
-    stages = [take_stage() for _ in range(-(-count // per))]
+    pool = [] if stages is not None else [take_stage() for _ in range(-(-count // per))]
     try:
         with _opened(path, name, size, direct=direct, cache=cache) as reads:
-            views = [view[k * CHUNK : (k + 1) * CHUNK] for view, _ in stages for k in range(per)][:count]
+            views = stages[:count] if stages is not None else [
+                view[k * CHUNK : (k + 1) * CHUNK] for view, _ in pool for k in range(per)][:count]
             during, place = prepare(reads) if prepare is not None else (None, None)
             return _stream(reads, size, stages=views, place=place, during=during)
     finally:
-        for _, release in stages:  # after the reads in flight were waited for
+        for _, release in pool:  # after the reads in flight were waited for
             release()
 
 
@@ -574,8 +576,18 @@ class Fetch:
                 self._add(a, min(b, self._size))
 
 
-Target = tuple[int, int, memoryview]
-"""``(start, end, memory)``: the file's bytes ``[start, end)`` go to ``memory`` (``end - start`` bytes)."""
+class Destination(Protocol):
+    """Memory a :func:`scatter_file` target's bytes go to that is not host memory to
+    ``memmove`` into (a GPU tensor): ``write(at, src, n)`` copies the ``n`` bytes at host
+    address ``src`` (a staging buffer's) to its bytes ``[at, at + n)``, and returns a
+    :class:`Fence` when the copy is still running (the buffer is not read into before it)."""
+
+    def write(self, at: int, src: int, n: int) -> Fence | None: ...
+
+
+Target = tuple[int, int, "memoryview | Destination"]
+"""``(start, end, memory)``: the file's bytes ``[start, end)`` go to ``memory`` (``end - start``
+bytes), host memory or a :class:`Destination`."""
 
 
 def scatter_file(
@@ -585,6 +597,7 @@ def scatter_file(
     *,
     verify: bool = True,
     direct: bool | None = None,
+    stages: list[memoryview] | None = None,
 ) -> tuple[Any, memoryview]:
     """Read ``path`` once, each piece to where ``plan`` wants it; ``(mapping, view)`` as
     :func:`read_file`, with the bytes ``plan`` sent elsewhere left unread (zero) in it.
@@ -595,9 +608,11 @@ def scatter_file(
     the caller's memory instead of ``view`` (sorted, not overlapping), or None when nothing of
     the file is wanted (it is only checked, nothing kept). The bulk read starts when ``plan``
     calls ``fetch.done()`` (its small reads are over) or returns. Then the whole file streams
-    through reused staging buffers, every piece checksummed and copied to its targets and the
-    rest into ``view``. Raises :class:`FileProblem` as :func:`read_file`; by then the targets
-    hold the file's (wrong) bytes."""
+    through reused staging buffers (the pool's, or ``stages``: :data:`CHUNK`-byte page-aligned
+    buffers of the caller's, such as pinned memory a GPU copies from asynchronously), every
+    piece checksummed and copied to its targets and the rest into ``view``. Raises
+    :class:`FileProblem` as :func:`read_file`; by then the targets hold the file's (wrong)
+    bytes."""
     name = path.name
     size, want = _expected(name, meta)
     mapping, whole = read_buffer(size)
@@ -605,7 +620,7 @@ def scatter_file(
     whole_at = _address(whole) if size else 0
     plan_of: dict[str, Any] = {}
 
-    def prepare(reads: _Reads) -> tuple[Callable[[Callable[[], None]], None], Callable[[int, int, int], None]]:
+    def prepare(reads: _Reads) -> tuple[Callable[[Callable[[], None]], None], Callable[[int, int, int], Fence | None]]:
         fetch = Fetch(reads, whole, size)
 
         def during(go: Callable[[], None]) -> None:
@@ -617,15 +632,16 @@ def scatter_file(
             plan_of["keep"] = targets  # the target memory stays alive while it is written
             plan_of["starts"] = [t[0] for t in targets]
             plan_of["ends"] = [t[1] for t in targets]
-            plan_of["at"] = [_address(t[2]) for t in targets]
+            plan_of["at"] = [_address(t[2]) if isinstance(t[2], memoryview) else t[2] for t in targets]
 
-        def place(lo: int, src: int, n: int) -> None:
+        def place(lo: int, src: int, n: int) -> Fence | None:
             """File bytes ``[lo, lo + n)``, at ``src`` (on a reader thread): to their targets,
-            the rest into the buffer at its offset."""
+            the rest into the buffer at its offset. The fence of the last asynchronous copy."""
             if "discard" in plan_of:
-                return
+                return None
             starts, ends, at = plan_of["starts"], plan_of["ends"], plan_of["at"]
             hi, pos = lo + n, lo
+            fence = None
             j = max(0, bisect.bisect_right(starts, lo) - 1)  # the target holding lo, if any
             while pos < hi:
                 while j < len(starts) and ends[j] <= pos:
@@ -636,15 +652,19 @@ def scatter_file(
                         ctypes.memmove(whole_at + pos, src + pos - lo, start - pos)
                         pos = start
                     stop = min(ends[j], hi)
-                    ctypes.memmove(at[j] + pos - start, src + pos - lo, stop - pos)
+                    if isinstance(at[j], int):
+                        ctypes.memmove(at[j] + pos - start, src + pos - lo, stop - pos)
+                    else:
+                        fence = at[j].write(pos - start, src + pos - lo, stop - pos) or fence
                     pos = stop
                 else:
                     ctypes.memmove(whole_at + pos, src + pos - lo, hi - pos)
                     pos = hi
+            return fence
 
         return during, place
 
-    crc = _staged(path, name, size, direct=direct, cache=False, prepare=prepare)
+    crc = _staged(path, name, size, direct=direct, cache=False, prepare=prepare, stages=stages)
     if verify:
         _check_crc(name, crc, want)
     return mapping, whole[:size]

@@ -36,9 +36,11 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointError
+from .device import DeviceCopies
+from .device import wanted as device_copies_wanted
 from .direct import BLOCK, address
 from .files import CHECKSUM, HashingWriter
-from .reader import Fetch, FileProblem, Target, read_file, scatter_file
+from .reader import CHUNK, STAGING, Fetch, FileProblem, Target, read_file, scatter_file
 
 __all__ = ["FILE_FORMAT", "parse_state_file", "read_state_bytes", "read_state_file", "read_state_into",
            "write_state_file"]
@@ -395,7 +397,8 @@ def read_state_into(
     yet); ``targets(payload)`` names, by ``id`` of the payload's tensor, the live CPU tensor
     of the same shape and dtype that will take its values. The file then streams through
     :func:`ftkit.checkpoint.io.reader.scatter_file`: those tensors' bytes go straight into the live tensors
-    (memory already faulted in: a resume's model and optimizer), the others into fresh
+    (memory already faulted in: a resume's model and optimizer; a GPU's, by host-to-device
+    copies from pinned staging as the pieces arrive, :mod:`ftkit.checkpoint.io.device`), the others into fresh
     memory of each tensor's own (not one buffer for all: the load keeps them, an optimizer's
     moments when it has none yet). In the payload returned each tensor is the live tensor or
     its own, and ``payload["owned"]`` is True when none is a view of a shared read buffer
@@ -424,8 +427,9 @@ def read_state_into(
                 swap[id(saved)] = torch.empty(saved.shape, dtype=saved.dtype)
                 continue
             live = wanted.get(id(saved))
-            if (live is None or live.device.type != "cpu" or saved.shape != live.shape
-                    or saved.dtype != live.dtype or not live.is_contiguous()):
+            if (live is None or live.device.type not in ("cpu", "cuda") or saved.shape != live.shape
+                    or saved.dtype != live.dtype or not live.is_contiguous()
+                    or (live.device.type == "cuda" and copies is None)):
                 # no live tensor takes it: memory of its own (the load keeps it), not the buffer
                 live = torch.empty(saved.shape, dtype=saved.dtype)
             start = saved.data_ptr() - base
@@ -437,16 +441,23 @@ def read_state_into(
         swap.update({a[2]: a[3] for a in alone})
         holder["swap"] = swap
         holder["owned"] = len(swap) == len(_tensors(payload))
-        return [(a[0], a[1], tensor_memory(a[3].detach())) for a in alone]
+        return [(a[0], a[1], copies.target(a[3]) if a[3].device.type == "cuda" and copies is not None
+                 else tensor_memory(a[3].detach())) for a in alone]
 
+    # live tensors on a GPU: pinned staging, each piece copied to the device as it arrives
+    copies = DeviceCopies(chunk=CHUNK, count=STAGING // CHUNK) if device_copies_wanted() else None
     try:
-        scatter_file(path, meta, plan, verify=verify, direct=direct)
+        scatter_file(path, meta, plan, verify=verify, direct=direct,
+                     stages=copies.stages() if copies is not None else None)
     except FileProblem as exc:
         raise CheckpointError(f"{directory}: {exc}") from exc
     except CheckpointError:
         raise
     except Exception as exc:
         raise CheckpointError(f"cannot load {path}: {exc}") from exc
+    finally:
+        if copies is not None:
+            copies.finish()
     payload = _substitute(holder["payload"], holder["swap"])
     payload["owned"] = holder["owned"]
     return payload
