@@ -51,7 +51,10 @@ can be 5x faster or slower than one measured beside the persist.
 
 plus resume times (torch.load, DCP load, ftkit load with CRC check), each from a cold page
 cache (the same preparation: a resumed job, often on another node, reads from the disk); DCP
-and ftkit load into the existing model and optimizer tensors, torch.load allocates; and a steady training loop
+and ftkit load into the existing model and optimizer tensors, torch.load allocates. A requeued
+job loads once, in a new process whose optimizer has no state yet: ``ftkit-async`` also times
+that (``requeue_load``, a fresh process per load, beside the raw read), printed for reference,
+not as the goal; and a steady training loop
 (Adam steps) checkpointing every N steps with ftkit-async vs torch.save vs none. Goals, as ratios:
 stall <= 1.25x copy; stall >= 5x smaller than torch.save+fsync at 1 GB; persist throughput
 >= 0.8x raw write bandwidth; peak extra host memory <= 2x state size.
@@ -313,6 +316,64 @@ def _load_rounds(load, files: list[Path], rounds: int, settle_s: float, *, comm:
             "load_dropped_caches": dropped}
 
 
+def requeue_load(gb: float, root: Path) -> dict:
+    """A requeued job's resume, once, in this fresh process: the model built as ``_build`` builds
+    it, its Adam optimizer without state (a new run's has none before its first step), then the
+    newest checkpoint under ``root`` loaded. Its load time, and this process's age when the load
+    began (interpreter, imports, building the model)."""
+    import torch
+
+    from ftkit.checkpoint import CheckpointConfig, make_manager
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    layers = max(1, round(gb * 1e9 / BYTES_PER_LAYER))
+    model = torch.nn.Sequential(*[torch.nn.Linear(LAYER, LAYER) for _ in range(layers)]).to(DEVICE)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    _sync()
+    age = time.time() - _process_start()
+    t = time.perf_counter()
+    step = make_manager(CheckpointConfig(root=root)).load({"model": model, "optimizer": opt})
+    _sync()
+    return {"load_s": time.perf_counter() - t, "age_s": age, "step": step}
+
+
+def _process_start() -> float:
+    """When this process started (epoch seconds), from /proc."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as f:
+        boot = next(float(line.split()[1]) for line in f if line.startswith("btime"))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _fresh_loads(gb: float, root: Path, files: list[Path], rounds: int, settle_s: float) -> dict:
+    """``rounds`` requeues (:func:`requeue_load`, each a new process), rotating with the raw cold
+    reads of the same ``files``, each after ``_settle``: the first load of a process, which the
+    rounds of one process (``_load_rounds``) do not show (its staging buffers faulted in, code
+    run for the first time), and a fresh optimizer's moments read into memory of their own."""
+    buf = _huge_copy(memoryview(bytes(_READ_CHUNK)))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    argv = [sys.executable, __file__, "--worker", "requeue-load", "--size", str(gb), "--dir", str(root),
+            "--device", DEVICE]
+    times: dict[str, list[float]] = {"load": [], "read1": [], "read4": []}
+    ages: list[float] = []
+    kinds = list(times)
+    for i in range(rounds):
+        for what in kinds[i % 3:] + kinds[: i % 3]:
+            _settle(settle_s)
+            if what != "load":
+                times[what].append(_raw_read(files, buf, depth=int(what[-1])))
+                continue
+            out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            times["load"].append(got["load_s"])
+            ages.append(got["age_s"])
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"fresh_load_s": med["load"], "fresh_load_runs": times["load"], "fresh_age_s": statistics.median(ages),
+            "fresh_read_s": min(med["read1"], med["read4"])}
+
+
 def _files_under(path: Path) -> list[Path]:
     return sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())
 
@@ -468,6 +529,8 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
 
         files = _files_under(work / "ck" / f"step-{last:08d}")
         out.update(_load_rounds(load, files, min(rounds, 5), settle_s))
+        if variant == "ftkit-async":
+            out.update(_fresh_loads(gb, work / "ck", files, min(rounds, 3), settle_s))
         _prune(work / "ck", last)
         only = _load_rounds(load, files, min(rounds, 5), settle_s)
         out["load_only_s"], out["load_only_runs"], out["read_only_s"] = only["load_s"], only["load_runs"], only["read_s"]
@@ -767,6 +830,10 @@ def _report_loads(res: dict[str, dict], goal) -> None:
               f"raw read {mb / r['read_s']:5.0f} MB/s (1: {_runs(r['read1_runs'])}; 4: {_runs(r['read4_runs'])}); "
               f"load / read {r['read_s'] / r['load_s']:.2f}")
     r = res.get("ftkit-async", {})
+    if "fresh_load_s" in r:  # a requeue: the one load of a new process, the optimizer without state
+        print(f"    ftkit-async, first load in a fresh process (a requeued job; its optimizer has no state yet, "
+              f"the process was {r['fresh_age_s']:.1f}s old): load {r['fresh_load_s']:.3f}s "
+              f"({_runs(r['fresh_load_runs'])}); load / read {r['fresh_read_s'] / r['fresh_load_s']:.2f}")
     if "load_only_s" in r:  # the job's first checkpoint: read into fresh memory, checked, then copied
         print(f"    ftkit-async, its only checkpoint (nothing older to fall back on): load {r['load_only_s']:.3f}s "
               f"({_runs(r['load_only_runs'])}); load / read {r['read_only_s'] / r['load_only_s']:.2f}")
@@ -807,6 +874,9 @@ def main() -> int:
         print(json.dumps(res))
         sys.stdout.flush()
         os._exit(0)  # gloo objects torn down at interpreter exit can abort the process
+    if args.worker == "requeue-load":
+        print(json.dumps(requeue_load(args.size, Path(args.dir))))
+        return 0
     if args.worker:
         print(json.dumps(worker(args.worker, args.size, Path(args.dir), args.rounds or 7, args.settle)))
         return 0

@@ -621,3 +621,40 @@ def test_a_staging_buffer_is_read_into_again_only_after_the_copies_out_of_it_ran
         results[fence] = bytes(dest.memory)
     assert results[True] == data[lo:hi]
     assert results[False] != data[lo:hi]  # the control: without fences the late copies read reused buffers
+
+
+def test_the_zip_directory_read_directly_is_zipfiles_or_is_left_to_it(tmp_path):
+    """The directories of the archives a load reads (``torch.save``'s, several back to back as
+    in a ``.distcp`` file) are parsed from their last bytes without :mod:`zipfile`, record for
+    record what :mod:`zipfile` reads; an archive of another kind (a directory longer than what
+    was read, zip64 counts, a damaged end record) is left to :mod:`zipfile` (None)."""
+    import io
+    import zipfile
+
+    def archive(obj) -> bytes:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return buf.getvalue()
+
+    def zipfiles(data: bytes) -> list:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            return [(i.filename, i.header_offset, i.file_size, i.compress_type) for i in z.infolist()]
+
+    parts = [archive({"w": torch.randn(300, 7), "n": [1, "x"]}), archive(torch.arange(5)), archive({"e": torch.empty(0)})]
+    commented = io.BytesIO()
+    with zipfile.ZipFile(commented, "w") as z:
+        z.writestr("a", b"x" * 100)
+        z.comment = b"a comment after the end record"
+    parts.append(commented.getvalue())
+    whole = b"".join(parts)
+    view = memoryview(bytearray(whole))
+    start = 0
+    for part in parts:
+        assert _single._directory(view, start, start + len(part), 4 << 10) == zipfiles(part)
+        start += len(part)
+    first = len(parts[0])
+    assert _single._directory(view, 0, first, 64) is None  # the directory was not all read
+    damaged = bytearray(parts[0])
+    at = bytes(damaged).rfind(b"PK\x05\x06")
+    damaged[at + 8 : at + 10] = b"\xff\xff"  # a zip64 entry count: zipfile's to read
+    assert _single._directory(memoryview(damaged), 0, len(damaged), 4 << 10) is None
