@@ -2,7 +2,9 @@
 
 ``direct`` (``O_DIRECT`` writes and reads through reused staging buffers; write options are
 arguments, never process-wide flags) <- ``files`` (fsync, atomic replace, the checksumming
-writer) <- ``reader`` (one pass per file, checksummed as it arrives) <- ``statefile`` (one rank's
-flat state as a ``torch.save`` archive, written and read through the above). Nothing here knows
+writer) <- ``reader`` (one pass per file, checksummed as it arrives; ``aio``, Linux native
+asynchronous reads, keeps them in flight from one thread; ``device``, the copies of the pieces
+onto a GPU as they arrive) <- ``statefile`` (one rank's flat state as a ``torch.save`` archive,
+written and read through the above). Nothing here knows
 about step directories (that is ``format``) or about training state (that is ``state``).
 """
