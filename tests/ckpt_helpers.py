@@ -216,3 +216,21 @@ def make_mgr(root, **kw):
 
     events = kw.pop("events", None)
     return make_manager(CheckpointConfig(root=root, **kw), events=events)
+
+
+def native_aio(path) -> str:
+    """Why the reader cannot use native AIO for files under ``path`` on this machine, or ""
+    (the kernel gives contexts and the filesystem's O_DIRECT reads are asynchronous)."""
+    from ftkit.checkpoint.io import aio
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fs = aio.asynchronous_fs(fd)
+    finally:
+        os.close(fd)
+    ctx = aio.open_context(1)
+    if ctx is not None:
+        ctx.close()
+    if ctx is None:
+        return "the kernel gives no native AIO context"
+    return "" if fs is not None else f"the filesystem of {path} does not take asynchronous O_DIRECT reads"

@@ -20,25 +20,15 @@ import pytest
 
 from ftkit.checkpoint.io import aio as _aio
 from ftkit.checkpoint.io import reader as _reader
+from ftkit.checkpoint.io import reads as _reads
 from ftkit.checkpoint.io.reader import FileProblem, read_file
-
-
-def _aio_here(path) -> bool:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        fs = _aio.asynchronous_fs(fd)
-    finally:
-        os.close(fd)
-    ctx = _aio.open_context(1)
-    if ctx is not None:
-        ctx.close()
-    return ctx is not None and fs is not None
+from tests.ckpt_helpers import native_aio
 
 
 @pytest.fixture
 def data_file(tmp_path, monkeypatch):
-    if not hasattr(os, "O_DIRECT") or not _aio_here(tmp_path):
-        pytest.skip(f"no native AIO for {tmp_path} on this machine")
+    if not hasattr(os, "O_DIRECT") or (why := native_aio(tmp_path)):
+        pytest.skip(f"no native AIO here: {why or 'no O_DIRECT'}")
     monkeypatch.setattr(_reader, "CHUNK", 256 << 10)  # many reads, many waits
     monkeypatch.setattr(_reader, "SUB", 256 << 10)
     data = random.Random(5).randbytes(96 * (256 << 10) + 123)
@@ -49,13 +39,13 @@ def data_file(tmp_path, monkeypatch):
 
 def _engines_used(monkeypatch) -> list[str]:
     used: list[str] = []
-    real = _reader._Reads.__init__
+    real = _reads.Reads.__init__
 
     def init(self, *args, **kwargs):
         real(self, *args, **kwargs)
         used.append(self.engine)
 
-    monkeypatch.setattr(_reader._Reads, "__init__", init)
+    monkeypatch.setattr(_reads.Reads, "__init__", init)
     return used
 
 
@@ -109,7 +99,7 @@ def test_a_read_that_fails_half_way_leaves_nothing_in_flight_for_the_next(data_f
     """A file cut short while it is read: the read fails by name; the context it used is drained
     before it is kept (no read lands later in a buffer reused since), and the next read is exact."""
     path, data, meta = data_file
-    real = _reader._Reads.submit
+    real = _reads.Reads.submit
     cut = []
 
     def truncating(self, reads, kind):
@@ -119,10 +109,10 @@ def test_a_read_that_fails_half_way_leaves_nothing_in_flight_for_the_next(data_f
             os.truncate(path, 21 * (256 << 10) + 5)
         return real(self, reads, kind)
 
-    monkeypatch.setattr(_reader._Reads, "submit", truncating)
+    monkeypatch.setattr(_reads.Reads, "submit", truncating)
     with pytest.raises(FileProblem, match="the file changed while it was read"):
         read_file(path, meta)
     assert _aio._idle and all(ctx.inflight == 0 for ctx in _aio._idle)
-    monkeypatch.setattr(_reader._Reads, "submit", real)
+    monkeypatch.setattr(_reads.Reads, "submit", real)
     path.write_bytes(data)
     assert bytes(read_file(path, meta)[1]) == data

@@ -27,13 +27,15 @@ import torch
 
 from ftkit.checkpoint.format.manifest import verify_files, verify_share
 from ftkit.checkpoint.io import aio as _aio
+from ftkit.checkpoint.io import archive as _archive
 from ftkit.checkpoint.io import direct as _direct
 from ftkit.checkpoint.io import reader as _reader
+from ftkit.checkpoint.io import reads as _reads
 from ftkit.checkpoint.io import statefile as _single
 from ftkit.checkpoint.io.reader import FileProblem, check_file, read_file
 from ftkit.checkpoint.io.statefile import read_state_file, write_state_file
 from ftkit.errors import CheckpointError
-from tests.ckpt_helpers import make_mgr, run_ranks
+from tests.ckpt_helpers import make_mgr, native_aio, run_ranks
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux-only")
 
@@ -63,7 +65,7 @@ def _spy_reads(monkeypatch) -> _Reads:
     """Every read the reader makes, whichever way (native AIO or threads): (inode, offset,
     bytes read, O_DIRECT), the last from the descriptors handed to the kernel."""
     reads = _Reads()
-    real_completed, real_preadv, real_submit = _reader._Reads._completed, os.preadv, _aio.AioContext.submit
+    real_completed, real_preadv, real_submit = _reads.Reads._completed, os.preadv, _aio.AioContext.submit
 
     def completed(self, tag, view, offset, n, kind):
         ino = os.fstat(self.source.fd).st_ino
@@ -85,8 +87,8 @@ def _spy_reads(monkeypatch) -> _Reads:
             reads.fds.setdefault(os.fstat(fd).st_ino, set()).add(_direct_fd(fd))
         return real_submit(self, batch)
 
-    monkeypatch.setattr(_reader._Reads, "_completed", completed)
-    monkeypatch.setattr(_reader.os, "preadv", preadv)
+    monkeypatch.setattr(_reads.Reads, "_completed", completed)
+    monkeypatch.setattr(_reads.os, "preadv", preadv)
     monkeypatch.setattr(_aio.AioContext, "submit", submit)
     return reads
 
@@ -96,17 +98,9 @@ def engine(request, monkeypatch, tmp_path):
     """The reader's two ways to keep reads in flight: native AIO where the kernel and the
     filesystem give it (this machine's local disk), threads elsewhere."""
     if request.param == "threads":
-        monkeypatch.setattr(_reader, "open_context", lambda depth: None)
-    else:
-        fd = os.open(tmp_path, os.O_RDONLY)
-        try:
-            fs = _aio.asynchronous_fs(fd)
-        finally:
-            os.close(fd)
-        ctx = _aio.open_context(1)
-        if ctx is None or fs is None:
-            pytest.skip(f"no native AIO here (kernel: {ctx is not None}, filesystem of {tmp_path}: {fs})")
-        ctx.close()
+        monkeypatch.setattr(_reads, "open_context", lambda depth: None)
+    elif why := native_aio(tmp_path):
+        pytest.skip(f"no native AIO here: {why}")
     return request.param
 
 
@@ -183,7 +177,7 @@ def test_short_direct_reads_are_completed_through_the_page_cache(tmp_path, monke
             return min(n, cut)
         return real(fd, buffers, offset)
 
-    monkeypatch.setattr(_reader.os, "preadv", short)
+    monkeypatch.setattr(_reads.os, "preadv", short)
     if engine == "aio":
         asked: dict[int, int] = {}
         real_submit, real_wait = _aio.AioContext.submit, _aio.AioContext.wait
@@ -215,7 +209,7 @@ def test_a_file_that_changes_while_it_is_read_is_refused_by_name(tmp_path, monke
     path = tmp_path / "rank-00000.pt"
     path.write_bytes(os.urandom(10 * (64 << 10)))
     meta = _entry(path)
-    real = _reader._Reads.submit
+    real = _reads.Reads.submit
 
     def truncating(self, reads, kind):
         reads = list(reads)
@@ -223,7 +217,7 @@ def test_a_file_that_changes_while_it_is_read_is_refused_by_name(tmp_path, monke
             os.truncate(path, 3 * (64 << 10) + 5)  # another process cuts it short
         return real(self, reads, kind)
 
-    monkeypatch.setattr(_reader._Reads, "submit", truncating)
+    monkeypatch.setattr(_reads.Reads, "submit", truncating)
     with pytest.raises(FileProblem, match=r"rank-00000\.pt: .* the file changed while it was read"):
         read_file(path, meta)
     with pytest.raises(FileProblem, match=r"rank-00000\.pt: size 196613 bytes, manifest says"):
@@ -650,11 +644,11 @@ def test_the_zip_directory_read_directly_is_zipfiles_or_is_left_to_it(tmp_path):
     view = memoryview(bytearray(whole))
     start = 0
     for part in parts:
-        assert _single._directory(view, start, start + len(part), 4 << 10) == zipfiles(part)
+        assert _archive._directory(view, start, start + len(part), 4 << 10) == zipfiles(part)
         start += len(part)
     first = len(parts[0])
-    assert _single._directory(view, 0, first, 64) is None  # the directory was not all read
+    assert _archive._directory(view, 0, first, 64) is None  # the directory was not all read
     damaged = bytearray(parts[0])
     at = bytes(damaged).rfind(b"PK\x05\x06")
     damaged[at + 8 : at + 10] = b"\xff\xff"  # a zip64 entry count: zipfile's to read
-    assert _single._directory(memoryview(damaged), 0, len(damaged), 4 << 10) is None
+    assert _archive._directory(memoryview(damaged), 0, len(damaged), 4 << 10) is None

@@ -47,10 +47,11 @@ from torch.serialization import _weights_only_unpickler
 
 from ..errors import CheckpointError
 from .format.layout import DCP_DIR
+from .io.archive import archives_records
 from .io.device import DeviceCopies
 from .io.device import wanted as device_copies_wanted
 from .io.reader import CHUNK, STAGING, Fetch, FileProblem, Target, check_file, scatter_file
-from .io.statefile import archives_records, tensor_memory
+from .io.statefile import tensor_memory
 
 __all__ = ["CorruptFile", "StreamingReader", "corrupt_file_in"]
 
@@ -100,7 +101,7 @@ def _archives(view: memoryview, fetch: Fetch, spans: list[tuple[int, int]], wher
               ) -> list[tuple[bytes, dict[str, int]]]:
     """For the ``torch.save`` archive at each ``[start, end)`` of the file: its pickle, and where
     each of its storage records' bytes begin in the file (by storage key). The small reads of
-    all archives go out together (:func:`ftkit.checkpoint.io.statefile.archives_records`)."""
+    all archives go out together (:func:`ftkit.checkpoint.io.archive.archives_records`)."""
     try:
         every = archives_records(view, fetch, spans, tail=_ITEM_TAIL)
     except (FileProblem, zipfile.BadZipFile) as exc:

@@ -8,8 +8,8 @@ through the page cache with sequential read-ahead advice where the filesystem re
 :data:`CHUNK`-byte pieces, :data:`DEPTH` of them in flight, so that the device always has the
 next requests queued. The reads are submitted and collected by the one thread that streams the
 file, through Linux native AIO where the kernel and the filesystem give it
-(:mod:`ftkit.checkpoint.io.aio`), else made by a few threads (:class:`_Threads`): a load starts
-no thread per read. As pieces arrive, that thread and up to :data:`WORKERS` ``- 1`` helpers take
+(:mod:`ftkit.checkpoint.io.aio`), else made by a few threads (:mod:`ftkit.checkpoint.io.reads`):
+a load starts no thread per read. As pieces arrive, that thread and up to :data:`WORKERS` ``- 1`` helpers take
 the CRC-32 of each and copy it to where its bytes are wanted (``ctypes.memmove``, the GIL
 released) while it is in the CPU cache; the pieces' CRC-32s are combined in file order
 (``crc32_combine``), so no piece waits for the one before it. One pass over the bytes, no
@@ -47,21 +47,16 @@ from __future__ import annotations
 
 import bisect
 import collections
-import contextlib
 import ctypes
-import functools
-import itertools
 import os
-import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from .aio import AioContext, asynchronous_fs, open_context
-from .direct import BLOCK, STAGE_BYTES, open_direct_read, read_buffer, take_stage
+from .direct import BLOCK, STAGE_BYTES, read_buffer, take_stage
 from .files import CHECKSUM, crc32, crc32_combine
+from .reads import FileProblem, Reads, address, opened
 
 __all__ = ["CHUNK", "DEPTH", "SUB", "Destination", "Fence", "Fetch", "FileProblem", "Target", "check_file", "read_file",
            "scatter_file"]
@@ -74,18 +69,13 @@ STAGING = 64 << 20  # staging memory of a read (four of the pool's buffers): hal
 WORKERS = max(1, min(4, os.cpu_count() or 1))  # threads that checksum and place pieces (the caller's
 # one of them): a piece takes ~0.3 ms of CPU here and a read ~1-2 ms, but the reads in flight
 # complete together, and a fast array delivers more than one thread can place
-THREADS = 8  # reads in flight where they are made by threads (each thread costs a start)
 SUB = CHUNK  # a piece is checksummed and placed in parts this large (each still in the L2/L3 cache)
 FETCH = 8 << 10  # scatter_file's small reads (headers, an index) read at least this much at once
 SMALL_BATCH = 32  # small reads submitted at once
-RING = 64 + SMALL_BATCH  # an AIO context's room: every staging piece in flight, and a batch of small reads
+ROOM = 64 + SMALL_BATCH  # reads one file may have in flight: every staging piece, and a batch of small reads
 FRESH_THREADS = 64 << 20  # read_file reads a file from this size on into fresh memory on threads:
 # each read there faults in its pages first (the kernel pins them), so several threads fault in
 # parallel; a single submitting thread would fault them one after the other
-
-
-class FileProblem(Exception):
-    """A file does not match its manifest entry (or cannot be read); ``str`` says how."""
 
 
 class Fence(Protocol):
@@ -104,202 +94,8 @@ def _expected(name: str, meta: Mapping[str, Any]) -> tuple[int, str | None]:
     return size, crc if isinstance(crc, str) else None
 
 
-class _Source:
-    """The open file: an O_DIRECT descriptor where possible, always a buffered one too (for
-    the tail of a short direct read, and where O_DIRECT is refused)."""
-
-    def __init__(self, path: Path, *, direct: bool | None, cache: bool) -> None:
-        self.path = path
-        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        self.direct_fd: int | None = None
-        try:
-            if direct is not False and not cache:
-                self.direct_fd = open_direct_read(path, required=direct is True)
-            if self.direct_fd is None and hasattr(os, "posix_fadvise"):
-                with contextlib.suppress(OSError):  # read-ahead advice only
-                    os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                    os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def size(self) -> int:
-        return os.fstat(self.fd).st_size
-
-    def read(self, view: memoryview, offset: int) -> int:
-        """Fill ``view`` from ``offset``; fewer bytes only at the end of the file. (``view``
-        lies on a block boundary where ``offset`` does: a direct read needs both.)"""
-        got = 0
-        while got < view.nbytes:
-            aligned = (offset + got) % BLOCK == 0
-            fd = self.direct_fd if self.direct_fd is not None and aligned else self.fd
-            n = os.preadv(fd, [view[got:]], offset + got)
-            if n == 0:
-                break
-            got += n
-        return got
-
-    def close(self) -> None:
-        for fd in (self.direct_fd, self.fd):
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self.direct_fd = None
-
-
-def _address(view: memoryview) -> int:
-    """Address of a writable contiguous buffer (no export of it is kept)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
-
-
-class _Aio:
-    """Reads queued on the device by native AIO (:mod:`ftkit.checkpoint.io.aio`): ``O_DIRECT``,
-    submitted and collected by the one thread that streams the file."""
-
-    def __init__(self, ctx: AioContext, fd: int) -> None:
-        self._ctx, self._fd = ctx, fd
-
-    def submit(self, reads: list[tuple[int, memoryview, int]]) -> None:
-        self._ctx.submit([(tag, self._fd, _address(view), view.nbytes, offset) for tag, view, offset in reads])
-
-    def wait(self, least: int) -> list[tuple[int, int]]:
-        return self._ctx.wait(least)
-
-    def close(self) -> None:
-        self._ctx.close()
-
-
-class _Threads:
-    """Reads made by up to :data:`THREADS` threads (``os.preadv``), started as reads are
-    submitted: where native AIO cannot be had, or would not be asynchronous (a buffered
-    descriptor, a network filesystem), and for reads into fresh memory (:data:`FRESH_THREADS`)."""
-
-    def __init__(self, source: _Source) -> None:
-        self._source = source
-        self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="ftkit-read")
-        self._done: queue.SimpleQueue[tuple[int, Future[int]]] = queue.SimpleQueue()
-        self._inflight = 0
-
-    def submit(self, reads: list[tuple[int, memoryview, int]]) -> None:
-        for tag, view, offset in reads:
-            future = self._pool.submit(self._source.read, view, offset)
-            self._inflight += 1
-            future.add_done_callback(functools.partial(self._finished, tag))
-
-    def _finished(self, tag: int, future: Future[int]) -> None:
-        self._done.put((tag, future))
-
-    def wait(self, least: int) -> list[tuple[int, int]]:
-        out: list[tuple[int, int]] = []
-        while self._inflight and (len(out) < least or not self._done.empty()):
-            tag, future = self._done.get()
-            self._inflight -= 1
-            exc = future.exception()
-            if exc is None:
-                out.append((tag, future.result()))
-            elif isinstance(exc, OSError) and exc.errno:
-                out.append((tag, -exc.errno))
-            else:
-                raise exc
-        return out
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-class _Reads:
-    """The reads of one open file, whichever way they are made (:class:`_Aio`, :class:`_Threads`):
-    ``submit`` queues reads of ``(view, offset)`` and returns their tags, :meth:`take` waits
-    for given ones, :meth:`take_any` for any; both give the bytes read, a short read already
-    completed where it can be (a direct read that stopped before the end of the file), so
-    fewer bytes than asked only at the end of the file. :meth:`close` waits for the reads in
-    flight: their memory may be reused after it."""
-
-    def __init__(self, source: _Source, *, fresh: bool = False) -> None:
-        self.source = source
-        self._size = source.size
-        self._tags = itertools.count()
-        self._asked: dict[int, tuple[memoryview, int, str]] = {}  # tag -> (view, offset, kind)
-        self._done: dict[int, int] = {}  # completed, not yet taken
-        self._engine: _Aio | _Threads = self._choose(fresh)
-
-    def _choose(self, fresh: bool) -> _Aio | _Threads:
-        fd = self.source.direct_fd
-        if fd is not None and not fresh and asynchronous_fs(fd):
-            ctx = open_context(RING)
-            if ctx is not None:
-                return _Aio(ctx, fd)
-        return _Threads(self.source)
-
-    @property
-    def engine(self) -> str:
-        return "aio" if isinstance(self._engine, _Aio) else "threads"
-
-    def submit(self, reads: Iterable[tuple[memoryview, int]], kind: str) -> list[int]:
-        batch = [(next(self._tags), view, offset) for view, offset in reads]
-        for tag, view, offset in batch:
-            self._asked[tag] = (view, offset, kind)
-        self._engine.submit(batch)
-        return [tag for tag, _, _ in batch]
-
-    def _collect(self, least: int) -> None:
-        for tag, n in self._engine.wait(least):
-            view, offset, kind = self._asked.pop(tag)
-            if n < 0:
-                raise OSError(-n, os.strerror(-n), str(self.source.path))
-            if n < view.nbytes and offset + n < self._size:  # a direct read cut short
-                n += self.source.read(view[n:], offset + n)
-            self._completed(tag, view, offset, n, kind)
-
-    def _completed(self, tag: int, view: memoryview, offset: int, n: int, kind: str) -> None:
-        """Every read ends here (``kind``: "bulk" or "small")."""
-        self._done[tag] = n
-
-    def take(self, tags: list[int]) -> list[int]:
-        while any(t not in self._done for t in tags):
-            self._collect(1)
-        return [self._done.pop(t) for t in tags]
-
-    def take_any(self, *, block: bool = True) -> list[tuple[int, int]]:
-        """Reads completed: at least one when ``block``, else those that already have."""
-        if not self._done or not block:
-            self._collect(1 if block and not self._done else 0)
-        done, self._done = self._done, {}
-        return list(done.items())
-
-    def close(self) -> None:
-        self._engine.close()
-
-
-@contextlib.contextmanager
-def _opened(path: Path, name: str, size: int, *, direct: bool | None, cache: bool,
-            fresh: bool = False) -> Iterator[_Reads]:
-    """``path`` open for reading (its size checked against the manifest's), and its reads;
-    on leaving, the reads in flight are waited for and the file closed."""
-    try:
-        source = _Source(path, direct=direct, cache=cache)
-    except FileNotFoundError:
-        raise FileProblem(f"{name} is missing") from None
-    except OSError as exc:
-        raise FileProblem(f"cannot read {name}: {exc.strerror or exc}") from exc
-    try:
-        actual = source.size
-        if actual != size:
-            raise FileProblem(f"{name}: size {actual} bytes, manifest says {size}")
-        reads = _Reads(source, fresh=fresh)
-        try:
-            yield reads
-        finally:
-            reads.close()
-    except OSError as exc:
-        raise FileProblem(f"cannot read {name}: {exc.strerror or exc}") from exc
-    finally:
-        source.close()
-
-
 def _stream(
-    reads: _Reads,
+    reads: Reads,
     size: int,
     *,
     piece: Callable[[int], memoryview] | None = None,
@@ -325,7 +121,7 @@ def _stream(
     calls ``go()`` once they are done, and the bulk reads start then (or when it returns), so
     the plan's parsing overlaps them. ``place`` is called only once it returned. A file that
     ends early or runs on (changed since it was sized) is a problem, raised at once; the
-    caller's :meth:`_Reads.close` then waits for the reads still in flight."""
+    caller's :meth:`Reads.close` then waits for the reads still in flight."""
     pieces = -(-size // CHUNK)
     crcs = [0] * pieces
     free = list(stages or ())  # buffers to read into (any thread gives one back)
@@ -361,7 +157,7 @@ def _stream(
 
     def settle(i: int, view: memoryview, n: int) -> None:
         """Checksum and place one piece (any thread)."""
-        base = _address(view) if place is not None else 0
+        base = address(view) if place is not None else 0
         crc, fence = 0, None
         for lo in range(0, n, SUB):
             part = min(SUB, n - lo)
@@ -471,14 +267,14 @@ def read_file(
     name = path.name
     size, want = _expected(name, meta)
     mapping, whole = read_buffer(size)  # freed with the last view of it, also on an error
-    with _opened(path, name, size, direct=direct, cache=False, fresh=size >= FRESH_THREADS) as reads:
+    with opened(path, name, size, direct=direct, cache=False, fresh=size >= FRESH_THREADS, room=ROOM) as reads:
         crc = _stream(reads, size, piece=lambda i: _piece(whole, i))
     if verify:
         _check_crc(name, crc, want)
     return mapping, whole[:size]
 
 
-Prepare = Callable[[_Reads], tuple[Callable[[Callable[[], None]], None], Callable[[int, int, int], Fence | None]]]
+Prepare = Callable[[Reads], tuple[Callable[[Callable[[], None]], None], Callable[[int, int, int], Fence | None]]]
 """``prepare(reads)``: ``_stream``'s ``during`` and ``place`` for a file once it is open."""
 
 
@@ -491,7 +287,7 @@ def _staged(path: Path, name: str, size: int, *, direct: bool | None, cache: boo
     per = max(1, STAGE_BYTES // CHUNK)  # pieces per staging buffer
     pool = [] if stages is not None else [take_stage() for _ in range(-(-count // per))]
     try:
-        with _opened(path, name, size, direct=direct, cache=cache) as reads:
+        with opened(path, name, size, direct=direct, cache=cache, room=ROOM) as reads:
             views = stages[:count] if stages is not None else [
                 view[k * CHUNK : (k + 1) * CHUNK] for view, _ in pool for k in range(per)][:count]
             during, place = prepare(reads) if prepare is not None else (None, None)
@@ -524,7 +320,7 @@ class Fetch:
     and at least :data:`FETCH` bytes, with ``O_DIRECT`` where the file was opened with it:
     nothing goes through the page cache."""
 
-    def __init__(self, reads: _Reads, whole: memoryview, size: int) -> None:
+    def __init__(self, reads: Reads, whole: memoryview, size: int) -> None:
         self._reads, self._whole, self._size = reads, whole, size
         self.finished: Callable[[], None] = lambda: None
         self._starts: list[int] = []  # what was read: sorted, disjoint [start, end) spans
@@ -617,10 +413,10 @@ def scatter_file(
     size, want = _expected(name, meta)
     mapping, whole = read_buffer(size)
 
-    whole_at = _address(whole) if size else 0
+    whole_at = address(whole) if size else 0
     plan_of: dict[str, Any] = {}
 
-    def prepare(reads: _Reads) -> tuple[Callable[[Callable[[], None]], None], Callable[[int, int, int], Fence | None]]:
+    def prepare(reads: Reads) -> tuple[Callable[[Callable[[], None]], None], Callable[[int, int, int], Fence | None]]:
         fetch = Fetch(reads, whole, size)
 
         def during(go: Callable[[], None]) -> None:
@@ -632,7 +428,7 @@ def scatter_file(
             plan_of["keep"] = targets  # the target memory stays alive while it is written
             plan_of["starts"] = [t[0] for t in targets]
             plan_of["ends"] = [t[1] for t in targets]
-            plan_of["at"] = [_address(t[2]) if isinstance(t[2], memoryview) else t[2] for t in targets]
+            plan_of["at"] = [address(t[2]) if isinstance(t[2], memoryview) else t[2] for t in targets]
 
         def place(lo: int, src: int, n: int) -> Fence | None:
             """File bytes ``[lo, lo + n)``, at ``src`` (on a reader thread): to their targets,

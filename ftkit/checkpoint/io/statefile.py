@@ -27,8 +27,6 @@ import ctypes
 import inspect
 import logging
 import pickle
-import struct
-import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,7 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointError
+from .archive import archive_records
 from .device import DeviceCopies
 from .device import wanted as device_copies_wanted
 from .direct import BLOCK, address
@@ -269,120 +268,6 @@ def parse_state_file(path: Path, read: tuple[Any, memoryview]) -> dict[str, Any]
     if not isinstance(payload, dict) or payload.get("format") != FILE_FORMAT:
         raise CheckpointError(f"{path} is not an {FILE_FORMAT} file")
     return payload
-
-
-class Fetching:
-    """A read-only file for :mod:`zipfile` over bytes ``[start, end)`` of a file being read
-    into ``view`` (at the file's offsets), reading through ``fetch`` what it is asked for:
-    an archive's directory lands in the buffer at its place, for torch's parser after it."""
-
-    def __init__(self, view: memoryview, fetch: Callable[[int, int], None], start: int = 0,
-                 end: int | None = None) -> None:
-        self._view, self._fetch = view, fetch
-        self._start, self._end = start, view.nbytes if end is None else end
-        self._pos = 0
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = (0, self._pos, self._end - self._start)[whence] + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seekable(self) -> bool:
-        return True
-
-    def read(self, n: int = -1) -> bytes:
-        size = self._end - self._start
-        end = size if n is None or n < 0 else min(size, self._pos + n)
-        a, b = self._start + self._pos, self._start + max(end, self._pos)
-        self._fetch(a, b)
-        data = bytes(self._view[a:b])
-        self._pos = max(end, self._pos)
-        return data
-
-
-TAIL = 64 << 10  # the end of an archive read at once: its directory, unless it has thousands of records
-
-
-_EOCD = struct.Struct("<IHHHHIIH")  # end of central directory record (22 bytes, then a comment)
-_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory entry (46 bytes, then name, extra, comment)
-_ZIP64 = 0xFFFFFFFF
-
-
-def _directory(view: memoryview, start: int, end: int, read: int) -> list[tuple[str, int, int, int]] | None:
-    """The directory of the zip archive at ``[start, end)`` of the file, parsed from its last
-    ``read`` bytes, which ``view`` holds: ``(name, local header offset from start, size,
-    compression)`` per record. None where the archive is not of the plain kind ``torch.save``
-    writes (zip64, a directory larger than what was read): :mod:`zipfile` reads those."""
-    tail = bytes(view[max(start, end - read) : end])
-    at = tail.rfind(b"PK\x05\x06", 0, max(0, len(tail) - _EOCD.size + 4))  # the last one that fits
-    if at < 0 or at + _EOCD.size + _EOCD.unpack_from(tail, at)[7] != len(tail):
-        return None
-    _, disk, cd_disk, here, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, at)
-    if disk or cd_disk or here != count or count == 0xFFFF or _ZIP64 in (cd_size, cd_offset):
-        return None
-    first = (end - len(tail)) - start  # the archive offset tail[0] is at
-    if cd_offset < first or cd_offset + cd_size > first + at:
-        return None
-    pos, out = cd_offset - first, []
-    for _ in range(count):
-        if pos + _CENTRAL.size > at:
-            return None
-        fields = _CENTRAL.unpack_from(tail, pos)
-        if fields[0] != 0x02014B50:
-            return None
-        method, csize, usize, name_len, extra_len, comment_len, offset = (
-            fields[4], fields[8], fields[9], fields[10], fields[11], fields[12], fields[16])
-        if _ZIP64 in (csize, usize, offset):
-            return None
-        name = tail[pos + _CENTRAL.size : pos + _CENTRAL.size + name_len].decode("utf-8")
-        out.append((name, offset, usize, method))
-        pos += _CENTRAL.size + name_len + extra_len + comment_len
-    return out
-
-
-def archives_records(view: memoryview, fetch: Fetch, spans: list[tuple[int, int]], *, tail: int = TAIL,
-                     ) -> list[dict[str, tuple[int, int]]]:
-    """For the zip archive at each ``[start, end)`` of the file, every record: name -> (offset
-    of its data in the file, size), from the archive's directory and each record's local
-    header; the records' data is not read. All archives' ends are read at once
-    (``fetch.many``), then all their local headers at once: a few rounds of small reads for
-    any number of archives, not a few per archive (the first round's reads, a few KiB each,
-    usually hold the local headers too). ``tail``: how much of each archive's end to read
-    first (its directory and end record). The directory is parsed directly where the archive
-    is of the plain kind ``torch.save`` writes, else by :mod:`zipfile`."""
-    # each archive's end and its first local header (where the next archive follows this
-    # one, the two are one read)
-    fetch.many([(max(start, end - tail), end) for start, end in spans] + [(start, start + 30) for start, _ in spans])
-    directories: list[list[tuple[str, int, int, int]]] = []
-    for start, end in spans:
-        entries = _directory(view, start, end, tail)
-        if entries is None:
-            with zipfile.ZipFile(Fetching(view, fetch, start, end)) as archive:  # type: ignore[arg-type]
-                entries = [(i.filename, i.header_offset, i.file_size, i.compress_type) for i in archive.infolist()]
-        directories.append(entries)
-    fetch.many([(start + offset, start + offset + 30)
-                for (start, _), entries in zip(spans, directories, strict=True) for _, offset, _, _ in entries])
-    out: list[dict[str, tuple[int, int]]] = []
-    for (start, _), entries in zip(spans, directories, strict=True):
-        records: dict[str, tuple[int, int]] = {}
-        for name, offset, size, method in entries:
-            if method != zipfile.ZIP_STORED:
-                raise FileProblem(f"record {name} is compressed")
-            head = start + offset
-            fetch(head, head + 30)
-            name_len, extra_len = struct.unpack("<HH", bytes(view[head + 26 : head + 30]))
-            fetch(head + 30, head + 30 + name_len + extra_len)
-            records[name] = (head + 30 + name_len + extra_len, size)
-        out.append(records)
-    return out
-
-
-def archive_records(view: memoryview, fetch: Fetch, start: int = 0,
-                    end: int | None = None) -> dict[str, tuple[int, int]]:
-    """:func:`archives_records` of the one archive at ``[start, end)`` of the file."""
-    return archives_records(view, fetch, [(start, view.nbytes if end is None else end)])[0]
 
 
 def _fetch_all_but_storages(view: memoryview, fetch: Fetch) -> None:
