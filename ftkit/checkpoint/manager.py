@@ -58,8 +58,9 @@ class _EarlyRead:
     its streaming reader, this rank's state file's bytes (parsed once the load is agreed), or
     the problem met reading them."""
 
-    def __init__(self, reader: Any) -> None:
+    def __init__(self, reader: Any, name: str, own: bool) -> None:
         self.reader = reader
+        self.name, self.own = name, own  # the state file this rank loads, and whether it is its own
         self.state_file: tuple[Any, memoryview] | None = None
         self.problem = ""
 
@@ -298,11 +299,10 @@ class Checkpointer(CheckpointManager):
         reader = StreamingReader(path / DCP_DIR, info.files, verify=self.config.verify_on_load,
                                  direct=self.config.direct_io, rank=self.rank,
                                  world_size=self.world_size if self.comm.distributed else 1)
-        early = _EarlyRead(reader)
-        name, _ = self._state_file(info, path)
+        early = _EarlyRead(reader, *self._state_file(info, path))
         try:
-            early.state_file = read_state_bytes(path, name, info.files[name], verify=self.config.verify_on_load,
-                                                direct=self.config.direct_io)
+            early.state_file = read_state_bytes(path, early.name, info.files[early.name],
+                                                verify=self.config.verify_on_load, direct=self.config.direct_io)
             reader.prefetch()  # after the small read above, which would queue behind its bulk
         except Exception as exc:  # this rank's problem: every rank skips the checkpoint (none may hang)
             early.problem = str(exc) or type(exc).__name__
@@ -328,7 +328,7 @@ class Checkpointer(CheckpointManager):
         """:meth:`_try_load` of the checkpoint ``info`` describes, with the read ``early`` started."""
         saved_world = int(info.world_size or 1)
         sharded = is_dcp(info.files)
-        name, own = self._state_file(info, path)
+        name, own = (early.name, early.own) if early is not None else self._state_file(info, path)
         reader = early.reader if early is not None else None
         problem = ""
         payload: dict[str, Any] = {}
