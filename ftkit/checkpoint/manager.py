@@ -215,13 +215,14 @@ class Checkpointer(CheckpointManager):
             # straight into the live tensors only with an older checkpoint to overwrite them
             # if this one turns out corrupt during the read
             direct = step is None and any(validate_dir(p).valid for p in candidates[i + 1 :])
-            problem = self._check_here(path, streamed=direct)
-            early = self._start_read(path) if direct and not problem else None
+            info = validate_dir(path)  # read once here: each step below works from it
+            problem = self._check_here(path, info, streamed=direct)
+            early = self._start_read(path, info) if direct and not problem else None
             try:
                 problem = self._agree(problem or (early.problem if early is not None else ""))
                 found = time.monotonic()
                 if not problem:
-                    problem = self._try_load(state, path, into_live=direct, early=early)
+                    problem = self._try_load(state, path, info, into_live=direct, early=early)
                     if problem and direct and self._into_live_used:
                         damaged = path
             finally:
@@ -257,11 +258,10 @@ class Checkpointer(CheckpointManager):
         log.info("no valid checkpoint in %s: starting fresh", self.root)
         return None
 
-    def _check_here(self, path: Path, *, streamed: bool = False) -> str:
+    def _check_here(self, path: Path, info: CheckpointInfo, *, streamed: bool = False) -> str:
         """This rank's part of validating ``path``: sizes; with several ranks also its share of
         the checksums (not the DCP files when ``streamed``: the ranks that read them check them
         then). Small files, read before any bulk read queues on the device."""
-        info = validate_dir(path)
         if not info.valid:
             return f"{info.status}: {info.reason}"
         if self.comm.distributed and self.config.verify_on_load:
@@ -285,13 +285,12 @@ class Checkpointer(CheckpointManager):
             log.warning("%s has no %s although saved by %d ranks; using rank 0's", path, name, info.world_size)
         return rank_file(0), False
 
-    def _start_read(self, path: Path) -> _EarlyRead | None:
+    def _start_read(self, path: Path, info: CheckpointInfo) -> _EarlyRead | None:
         """A DCP checkpoint read straight into the live tensors starts before the ranks agree
         that it is valid: this rank's state file is read (a small read, parsed later) and its
         own DCP file starts streaming (:meth:`ftkit.checkpoint.dcp_reader.StreamingReader.prefetch`),
         so the agreement, the state file's parse and DCP's planning overlap the bulk read.
         Nothing reaches the live state before the load is agreed. None for other checkpoints."""
-        info = validate_dir(path)
         if not is_dcp(info.files):
             return None
         from .dcp_reader import StreamingReader
@@ -308,9 +307,10 @@ class Checkpointer(CheckpointManager):
             early.problem = str(exc) or type(exc).__name__
         return early
 
-    def _try_load(self, state: Mapping[str, Any], path: Path, *, into_live: bool = False,
+    def _try_load(self, state: Mapping[str, Any], path: Path, info: CheckpointInfo, *, into_live: bool = False,
                   early: _EarlyRead | None = None) -> str:
-        """Load ``path`` into ``state`` on any number of ranks (``state.keys``'s world-size rule).
+        """Load ``path`` (``info``: its validation) into ``state`` on any number of ranks
+        (``state.keys``'s world-size rule).
 
         Returns a problem with the files (the checkpoint is skipped); a key of the state the
         checkpoint lacks raises (``state.keys``'s strictness rule), before anything is restored.
@@ -321,11 +321,6 @@ class Checkpointer(CheckpointManager):
         bytes there; ``_into_live_used`` says whether that happened.
         """
         self._into_live_used = False
-        return self._load_from(state, path, validate_dir(path), early, into_live=into_live)
-
-    def _load_from(self, state: Mapping[str, Any], path: Path, info: CheckpointInfo, early: _EarlyRead | None,
-                   *, into_live: bool) -> str:
-        """:meth:`_try_load` of the checkpoint ``info`` describes, with the read ``early`` started."""
         saved_world = int(info.world_size or 1)
         sharded = is_dcp(info.files)
         name, own = (early.name, early.own) if early is not None else self._state_file(info, path)
