@@ -48,10 +48,9 @@ from torch.serialization import _weights_only_unpickler
 from ..errors import CheckpointError
 from .format.layout import DCP_DIR
 from .io.archive import archives_records
-from .io.device import DeviceCopies
-from .io.device import wanted as device_copies_wanted
+from .io.device import DeviceCopies, load_copies
 from .io.reader import CHUNK, STAGING, Fetch, FileProblem, Target, check_file, scatter_file
-from .io.statefile import tensor_memory
+from .io.statefile import destination, placeable
 
 __all__ = ["CorruptFile", "StreamingReader", "corrupt_file_in"]
 
@@ -297,16 +296,12 @@ class _FileRead:
         self._thread.join()
 
     def _run(self) -> None:
-        # live tensors on a GPU: pinned staging, each piece copied to the device as it arrives
-        self._copies = DeviceCopies(chunk=CHUNK, count=STAGING // CHUNK) if device_copies_wanted() else None
         try:
-            try:
+            # live tensors on a GPU: pinned staging, each piece copied to the device as it arrives
+            with load_copies(chunk=CHUNK, count=STAGING // CHUNK) as self._copies:
                 self._result = scatter_file(self.path, self._meta, self._plan, verify=self._reader._verify,
                                             direct=self._reader._direct,
                                             stages=self._copies.stages() if self._copies is not None else None)
-            finally:
-                if self._copies is not None:
-                    self._copies.finish()
         except FileProblem as exc:
             self._error = CorruptFile(f"{self._reader._root.parent}: {exc}")
             self._error.__cause__ = exc
@@ -354,8 +349,7 @@ class _FileRead:
             target = planner.resolve_tensor(item).detach()
             if target.size() != narrowed.size():
                 raise CheckpointError(f"{where}: saved {tuple(narrowed.size())}, live {tuple(target.size())}")
-            on_gpu = target.device.type == "cuda" and self._copies is not None
-            if (narrowed.is_contiguous() and target.is_contiguous() and (target.device.type == "cpu" or on_gpu)
+            if (narrowed.is_contiguous() and target.is_contiguous() and placeable(target, self._copies)
                     and target.dtype == narrowed.dtype and narrowed.numel() > 0):
                 start = data_start + narrowed.storage_offset() * narrowed.element_size()
                 aims.append((start, start + narrowed.numel() * narrowed.element_size(), item, target))
@@ -366,9 +360,7 @@ class _FileRead:
         for i, (start, end, item, target) in enumerate(aims):
             if i and aims[i - 1][1] > start:
                 raise _Unsupported(f"{self.path}: items overlap")
-            dest = (self._copies.target(target) if target.device.type == "cuda" and self._copies is not None
-                    else tensor_memory(target))
-            targets.append((start, end, dest))
+            targets.append((start, end, destination(target, self._copies)))
             self._after.append((item, "direct", target))
         return targets
 

@@ -21,18 +21,32 @@ itself, and a CPU-only process pays nothing for it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .direct import BLOCK
 
-__all__ = ["DeviceCopies", "DeviceTensor", "wanted"]
+__all__ = ["DeviceCopies", "DeviceTensor", "load_copies", "wanted"]
 
 
 def wanted() -> bool:
     """Whether this process uses CUDA already (then its live tensors may be on a device)."""
     return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+@contextlib.contextmanager
+def load_copies(*, chunk: int, count: int) -> Iterator[DeviceCopies | None]:
+    """A load's :class:`DeviceCopies` (``count`` pinned staging buffers of ``chunk`` bytes) where
+    this process uses CUDA (:func:`wanted`), else None; finished on leaving, also on an error."""
+    copies = DeviceCopies(chunk=chunk, count=count) if wanted() else None
+    try:
+        yield copies
+    finally:
+        if copies is not None:
+            copies.finish()
 
 
 class _EventFence:

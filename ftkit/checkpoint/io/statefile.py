@@ -35,11 +35,10 @@ import torch
 
 from ...errors import CheckpointError
 from .archive import archive_records
-from .device import DeviceCopies
-from .device import wanted as device_copies_wanted
+from .device import DeviceCopies, load_copies
 from .direct import BLOCK, address
 from .files import CHECKSUM, HashingWriter
-from .reader import CHUNK, STAGING, Fetch, FileProblem, Target, read_file, scatter_file
+from .reader import CHUNK, STAGING, Destination, Fetch, FileProblem, Target, read_file, scatter_file
 
 __all__ = ["FILE_FORMAT", "parse_state_file", "read_state_bytes", "read_state_file", "read_state_into",
            "write_state_file"]
@@ -309,6 +308,19 @@ def tensor_memory(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
 
 
+def placeable(t: torch.Tensor, copies: DeviceCopies | None) -> bool:
+    """Whether the reader can put a file's bytes straight into ``t``: host memory, or a CUDA
+    tensor's when the load has ``copies`` (:func:`ftkit.checkpoint.io.device.load_copies`)."""
+    return t.device.type == "cpu" or (t.device.type == "cuda" and copies is not None)
+
+
+def destination(t: torch.Tensor, copies: DeviceCopies | None) -> memoryview | Destination:
+    """Where the reader puts ``t``'s bytes (``t`` contiguous and :func:`placeable`)."""
+    if t.device.type == "cuda" and copies is not None:
+        return copies.target(t)
+    return tensor_memory(t.detach())
+
+
 def read_state_into(
     directory: Path,
     name: str,
@@ -354,9 +366,8 @@ def read_state_into(
                 swap[id(saved)] = torch.empty(saved.shape, dtype=saved.dtype)
                 continue
             live = wanted.get(id(saved))
-            if (live is None or live.device.type not in ("cpu", "cuda") or saved.shape != live.shape
-                    or saved.dtype != live.dtype or not live.is_contiguous()
-                    or (live.device.type == "cuda" and copies is None)):
+            if (live is None or not placeable(live, copies) or saved.shape != live.shape
+                    or saved.dtype != live.dtype or not live.is_contiguous()):
                 # no live tensor takes it: memory of its own (the load keeps it), not the buffer
                 live = torch.empty(saved.shape, dtype=saved.dtype)
             start = saved.data_ptr() - base
@@ -368,23 +379,19 @@ def read_state_into(
         swap.update({a[2]: a[3] for a in alone})
         holder["swap"] = swap
         holder["owned"] = len(swap) == len(_tensors(payload))
-        return [(a[0], a[1], copies.target(a[3]) if a[3].device.type == "cuda" and copies is not None
-                 else tensor_memory(a[3].detach())) for a in alone]
+        return [(a[0], a[1], destination(a[3], copies)) for a in alone]
 
     # live tensors on a GPU: pinned staging, each piece copied to the device as it arrives
-    copies = DeviceCopies(chunk=CHUNK, count=STAGING // CHUNK) if device_copies_wanted() else None
-    try:
-        scatter_file(path, meta, plan, verify=verify, direct=direct,
-                     stages=copies.stages() if copies is not None else None)
-    except FileProblem as exc:
-        raise CheckpointError(f"{directory}: {exc}") from exc
-    except CheckpointError:
-        raise
-    except Exception as exc:
-        raise CheckpointError(f"cannot load {path}: {exc}") from exc
-    finally:
-        if copies is not None:
-            copies.finish()
+    with load_copies(chunk=CHUNK, count=STAGING // CHUNK) as copies:
+        try:
+            scatter_file(path, meta, plan, verify=verify, direct=direct,
+                         stages=copies.stages() if copies is not None else None)
+        except FileProblem as exc:
+            raise CheckpointError(f"{directory}: {exc}") from exc
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"cannot load {path}: {exc}") from exc
     payload = _substitute(holder["payload"], holder["swap"])
     payload["owned"] = holder["owned"]
     return payload
