@@ -191,10 +191,11 @@ _IDLE_MAX = 4
 def _forget_after_fork() -> None:
     """A forked child inherits the list, not the contexts (the kernel does not copy them)."""
     _idle.clear()
+    _lock.release()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_after_fork)
+if hasattr(os, "register_at_fork"):  # the lock is taken across the fork: no thread holds it mid-change
+    os.register_at_fork(before=_lock.acquire, after_in_parent=_lock.release, after_in_child=_forget_after_fork)
 
 
 def open_context(depth: int) -> AioContext | None:

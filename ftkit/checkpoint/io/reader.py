@@ -72,7 +72,7 @@ WORKERS = max(1, min(4, os.cpu_count() or 1))  # threads that checksum and place
 SUB = CHUNK  # a piece is checksummed and placed in parts this large (each still in the L2/L3 cache)
 FETCH = 8 << 10  # scatter_file's small reads (headers, an index) read at least this much at once
 SMALL_BATCH = 32  # small reads submitted at once
-ROOM = 64 + SMALL_BATCH  # reads one file may have in flight: every staging piece, and a batch of small reads
+ROOM = 64 + SMALL_BATCH  # reads one file may have in flight: every staging piece (CHUNK from 1 MiB), and a batch of small reads
 FRESH_THREADS = 64 << 20  # read_file reads a file from this size on into fresh memory on threads:
 # each read there faults in its pages first (the kernel pins them), so several threads fault in
 # parallel; a single submitting thread would fault them one after the other
