@@ -129,13 +129,20 @@ def _host_buffers(tensors) -> list:
     return [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in tensors]
 
 
-def _build(gb: float):
+def _model(gb: float):
+    """The benchmark's model of ``gb`` GB (with its Adam moments) and its optimizer, no step taken."""
     import torch
 
     torch.manual_seed(0)
     layers = max(1, round(gb * 1e9 / BYTES_PER_LAYER))
     model = torch.nn.Sequential(*[torch.nn.Linear(LAYER, LAYER) for _ in range(layers)]).to(DEVICE)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-4)
+
+
+def _build(gb: float):
+    import torch
+
+    model, opt = _model(gb)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     opt.step()
@@ -277,14 +284,17 @@ def _raw_read(files: list[Path], buf: memoryview, *, depth: int = 1) -> float:
     return time.perf_counter() - t
 
 
-def _load_rounds(load, files: list[Path], rounds: int, settle_s: float, *, comm: bool = False) -> dict:
+def _load_rounds(load, files: list[Path], rounds: int, settle_s: float, *, comm: bool = False,
+                 timed: bool = False) -> dict:
     """``rounds`` rounds of a cold load and of the raw cold reads of the same ``files`` (one
     sequential, one with 4 reads in flight), rotating order, each after ``_settle`` (sync, drop
     the page cache, pause): the same bytes from the same cold cache, side by side.
 
     ``comm`` (several ranks, ``torch.distributed`` initialised): rank 0 drops the cache, every rank loads,
     or reads its own ``files``, at the same time; a round's time is from a barrier before to a
-    barrier after."""
+    barrier after.
+
+    ``timed``: ``load()`` times itself (a load in another process) and returns its seconds."""
     import torch.distributed as dist
 
     buf = _huge_copy(memoryview(bytes(_READ_CHUNK)))  # page-aligned, touched before timing
@@ -298,13 +308,15 @@ def _load_rounds(load, files: list[Path], rounds: int, settle_s: float, *, comm:
             if comm:
                 dist.barrier()
             t = time.perf_counter()
+            took = None
             if what == "load":
-                load()
+                got = load()
+                took = got if timed else None
             else:
                 _raw_read(files, buf, depth=int(what[-1]))
             if comm:
                 dist.barrier()
-            times[what].append(time.perf_counter() - t)
+            times[what].append(took if took is not None else time.perf_counter() - t)
     med = {k: statistics.median(v) for k, v in times.items()}
     nbytes = sum(f.stat().st_size for f in files)
     if comm:  # the bytes all ranks read
@@ -326,10 +338,7 @@ def requeue_load(gb: float, root: Path) -> dict:
     from ftkit.checkpoint import CheckpointConfig, make_manager
 
     torch.set_num_threads(2)
-    torch.manual_seed(0)
-    layers = max(1, round(gb * 1e9 / BYTES_PER_LAYER))
-    model = torch.nn.Sequential(*[torch.nn.Linear(LAYER, LAYER) for _ in range(layers)]).to(DEVICE)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    model, opt = _model(gb)
     _sync()
     age = time.time() - _process_start()
     t = time.perf_counter()
@@ -349,29 +358,23 @@ def _process_start() -> float:
 
 def _fresh_loads(gb: float, root: Path, files: list[Path], rounds: int, settle_s: float) -> dict:
     """``rounds`` requeues (:func:`requeue_load`, each a new process), rotating with the raw cold
-    reads of the same ``files``, each after ``_settle``: the first load of a process, which the
-    rounds of one process (``_load_rounds``) do not show (its staging buffers faulted in, code
-    run for the first time), and a fresh optimizer's moments read into memory of their own."""
-    buf = _huge_copy(memoryview(bytes(_READ_CHUNK)))
+    reads of the same ``files`` (``_load_rounds``): the first load of a process, which the
+    rounds of one process do not show (its staging buffers faulted in, code run for the first
+    time), and a fresh optimizer's moments read into memory of their own."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     argv = [sys.executable, __file__, "--worker", "requeue-load", "--size", str(gb), "--dir", str(root),
             "--device", DEVICE]
-    times: dict[str, list[float]] = {"load": [], "read1": [], "read4": []}
     ages: list[float] = []
-    kinds = list(times)
-    for i in range(rounds):
-        for what in kinds[i % 3:] + kinds[: i % 3]:
-            _settle(settle_s)
-            if what != "load":
-                times[what].append(_raw_read(files, buf, depth=int(what[-1])))
-                continue
-            out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
-            got = json.loads(out.stdout.strip().splitlines()[-1])
-            times["load"].append(got["load_s"])
-            ages.append(got["age_s"])
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return {"fresh_load_s": med["load"], "fresh_load_runs": times["load"], "fresh_age_s": statistics.median(ages),
-            "fresh_read_s": min(med["read1"], med["read4"])}
+
+    def load() -> float:
+        out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        ages.append(got["age_s"])
+        return got["load_s"]
+
+    r = _load_rounds(load, files, rounds, settle_s, timed=True)
+    return {"fresh_load_s": r["load_s"], "fresh_load_runs": r["load_runs"], "fresh_age_s": statistics.median(ages),
+            "fresh_read_s": r["read_s"]}
 
 
 def _files_under(path: Path) -> list[Path]:
