@@ -756,7 +756,8 @@ def _fmt(x, unit="s"):
 
 
 def report(gb: float, res: dict[str, dict]) -> list[dict]:
-    size = res["copy"].get("bytes") or 1
+    # the state's bytes: the copy's, or any variant's (a run of some --variants only)
+    size = next((r["bytes"] for v in ("copy", *res) if (r := res.get(v, {})).get("bytes")), 1)
     gib = size / 2**30
     print(f"\n=== state {gb} GB ({size / 1e9:.2f} GB of tensors) ===")
     print(f"{'variant':<12} {'stall':>9} {'persist':>9} {'MB/s':>8} {'load':>8} {'peak extra':>11}")
