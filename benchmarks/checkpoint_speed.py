@@ -381,7 +381,7 @@ def _files_under(path: Path) -> list[Path]:
     return sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())
 
 
-def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float = 3.0) -> dict:
+def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float = 3.0, load_rounds: int = 9) -> dict:
     import torch
 
     torch.set_num_threads(2)
@@ -415,7 +415,7 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
         out["stall_s"] = out["persist_s"] = time.perf_counter() - t
         out["peak_extra"] = _status("VmHWM") - base
         out.update(_load_rounds(lambda: torch.load(path, weights_only=True), [path],
-                                min(rounds, 5), settle_s))
+                                load_rounds, settle_s))
     elif variant in ("dcp", "dcp-async"):
         import torch.distributed.checkpoint as dcp
 
@@ -435,7 +435,7 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
         out["peak_extra"] = _status("VmHWM") - base
         target = state_dicts()
         out.update(_load_rounds(lambda: dcp.load(target, checkpoint_id=path, no_dist=True),
-                                _files_under(path), min(rounds, 5), settle_s))
+                                _files_under(path), load_rounds, settle_s))
     elif variant in ("ftkit-async", "ftkit-shm"):
         from ftkit.checkpoint import CheckpointConfig, make_manager
         from ftkit.checkpoint.background.manager import AsyncCheckpointer, AsyncConfig
@@ -531,11 +531,11 @@ def worker(variant: str, gb: float, work: Path, rounds: int = 5, settle_s: float
             assert make_manager(cfg).load(state) == last
 
         files = _files_under(work / "ck" / f"step-{last:08d}")
-        out.update(_load_rounds(load, files, min(rounds, 5), settle_s))
+        out.update(_load_rounds(load, files, load_rounds, settle_s))
         if variant == "ftkit-async":
             out.update(_fresh_loads(gb, work / "ck", files, min(rounds, 3), settle_s))
         _prune(work / "ck", last)
-        only = _load_rounds(load, files, min(rounds, 5), settle_s)
+        only = _load_rounds(load, files, load_rounds, settle_s)
         out["load_only_s"], out["load_only_runs"], out["read_only_s"] = only["load_s"], only["load_runs"], only["read_s"]
     elif variant == "loop":
         out.update(_loop(model, opt, work))
@@ -716,13 +716,14 @@ VARIANTS = ["raw-write", "copy", "torch.save", "dcp", "dcp-async", "ftkit-async"
 TWO_RANKS = ("ftkit-dcp2", "dcp2")
 
 
-def run_variant(variant: str, gb: float, base_dir: Path, rounds: int, settle_s: float, device: str = "cpu") -> dict:
+def run_variant(variant: str, gb: float, base_dir: Path, rounds: int, settle_s: float, device: str = "cpu",
+                load_rounds: int = 9) -> dict:
     work = Path(tempfile.mkdtemp(prefix=f"ckspeed-{variant}-", dir=base_dir))
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if variant == "loop":  # freed memory stays in the heap for the next step (see _loop)
         env.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(1 << 40))
     argv = [sys.executable, __file__, "--worker", variant, "--size", str(gb), "--dir", str(work),
-            "--rounds", str(rounds), "--settle", str(settle_s), "--device", device]
+            "--rounds", str(rounds), "--load-rounds", str(load_rounds), "--settle", str(settle_s), "--device", device]
     ranks = 2 if variant in TWO_RANKS else 1
     if ranks > 1:
         import socket
@@ -863,6 +864,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=None,
                     help="timed persists and raw writes per variant (medians); default 15 below 1 GB, "
                          "where single writes of a tenth of a second vary by +-20%% here, else 7")
+    ap.add_argument("--load-rounds", type=int, default=9,
+                    help="cold loads per variant, each beside two raw reads (medians): a single cold read "
+                         "varies by about +-15%% here, so five rounds put a ratio anywhere in about +-0.13")
     ap.add_argument("--settle", type=float, default=3.0,
                     help="seconds of pause after sync + drop caches before each timed persist or raw write")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
@@ -874,7 +878,7 @@ def main() -> int:
     global DEVICE
     DEVICE = args.device
     if args.worker in TWO_RANKS:
-        res = worker_2ranks(args.worker, args.size, Path(args.dir), min(args.rounds or 7, 5), args.settle)
+        res = worker_2ranks(args.worker, args.size, Path(args.dir), args.load_rounds, args.settle)
         print(json.dumps(res))
         sys.stdout.flush()
         os._exit(0)  # gloo objects torn down at interpreter exit can abort the process
@@ -882,7 +886,7 @@ def main() -> int:
         print(json.dumps(requeue_load(args.size, Path(args.dir))))
         return 0
     if args.worker:
-        print(json.dumps(worker(args.worker, args.size, Path(args.dir), args.rounds or 7, args.settle)))
+        print(json.dumps(worker(args.worker, args.size, Path(args.dir), args.rounds or 7, args.settle, args.load_rounds)))
         return 0
     base_dir = Path(args.dir)
     base_dir.mkdir(parents=True, exist_ok=True)
@@ -900,7 +904,7 @@ def main() -> int:
     goals: list[dict] = []
     for gb in sizes:
         rounds = args.rounds or (15 if gb < 1 else 7)
-        res = {v: run_variant(v, gb, base_dir, rounds, args.settle, args.device)
+        res = {v: run_variant(v, gb, base_dir, rounds, args.settle, args.device, args.load_rounds)
                for v in variants if v != "loop" or gb <= args.loop_max_gb}
         results[str(gb)] = res
         goals += report(gb, res)
