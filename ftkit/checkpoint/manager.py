@@ -229,7 +229,7 @@ class Checkpointer(CheckpointManager):
                 if early is not None:
                     early.close()  # a read it started and the load never took (a refused load)
             if not problem:
-                self.loaded = validate_dir(path)
+                self.loaded = info
                 restored = int(self.loaded.step)
                 log.info("resumed from checkpoint %s", path)
                 self._emit("load", step=restored, path=str(path),
@@ -238,7 +238,7 @@ class Checkpointer(CheckpointManager):
                 return restored
             skipped.append(f"{path.name}: {problem}")
             log.warning("skipping checkpoint %s: %s", path, problem)
-            self._emit("skip", step=validate_dir(path).step, path=str(path), reason=problem)
+            self._emit("skip", step=info.step, path=str(path), reason=problem)
         if step is not None:
             raise NoCheckpointError(
                 f"checkpoint step {step} in {self.root} cannot be loaded: {skipped[0]}"
