@@ -19,6 +19,7 @@ class Comm:
         self.rank = rank
         self.world_size = world_size
         self.pg = process_group
+        self._flag: Any = None  # the all_reduce buffer of anyone()
 
     @property
     def distributed(self) -> bool:
@@ -45,6 +46,30 @@ class Comm:
         dist.all_gather_object(out, obj, group=self.pg)
         return out
 
+    def anyone(self, flag: bool) -> bool:
+        """Whether any rank passed True: one ``all_reduce`` of a flag. ``all_gather_object``
+        pickles and makes two collectives (about 4 ms against 1 ms over gloo on a 2-CPU VM), so
+        an agreement asks this first and gathers what the ranks have to say only when one has
+        something to say, which is rare."""
+        if not self.distributed:
+            return flag
+        import torch
+        import torch.distributed as dist
+
+        if self._flag is None:  # on the process group's device (NCCL: the current CUDA device)
+            nccl = "nccl" in str(dist.get_backend(self.pg)).lower()
+            self._flag = torch.zeros(1, dtype=torch.int32,
+                                     device=f"cuda:{torch.cuda.current_device()}" if nccl else "cpu")
+        self._flag.fill_(int(flag))
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.pg)
+        return bool(self._flag.item())
+
+    def first_problem(self, problem: str | None) -> str:
+        """The lowest rank's problem, the same on every rank ("" when no rank has one)."""
+        if not self.anyone(bool(problem)):
+            return ""
+        return next(p for p in self.gather(problem or "") if p)
+
     def barrier(self) -> None:
         if self.distributed:
             import torch.distributed as dist
@@ -53,6 +78,8 @@ class Comm:
 
     def all_ok(self, problem: str | None, what: str) -> None:
         """Raise CheckpointError on every rank if any rank reports a problem."""
+        if not self.anyone(bool(problem)):
+            return
         problems = [(r, p) for r, p in enumerate(self.gather(problem)) if p]
         if problems:
             raise CheckpointError(f"{what}: " + "; ".join(f"rank {r}: {p}" for r, p in problems))
