@@ -32,8 +32,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(args: list[str], world_size: int = 1, timeout: float = 120) -> None:
-    """Run ``python3 tests/ckpt_helpers.py ARGS`` on ``world_size`` ranks; fail on any error."""
+def run_ranks(args: list[str], world_size: int = 1, timeout: float = 120) -> list[str]:
+    """Run ``python3 tests/ckpt_helpers.py ARGS`` on ``world_size`` ranks; fail on any error.
+    Returns each rank's output."""
     port = str(free_port())
     procs = [
         subprocess.Popen(
@@ -50,6 +51,7 @@ def run_ranks(args: list[str], world_size: int = 1, timeout: float = 120) -> Non
     outs = collect(procs, timeout)
     for r, (p, out) in enumerate(zip(procs, outs, strict=False)):
         assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{out}"
+    return outs
 
 
 def collect(procs: list[subprocess.Popen], timeout: float) -> list[str]:
@@ -156,10 +158,40 @@ def train_main(argv: list[str]) -> None:
         dist.destroy_process_group()
 
 
+def load_main(argv: list[str]) -> None:
+    """Load the newest checkpoint of ``--root`` on each rank; print what came of it as the last
+    line (``loaded N`` or ``CheckpointError: ...``). ``--fail-read-on R``: rank R's DCP read
+    fails (a RuntimeError of no checkpoint's making), to show what the other ranks do then."""
+    import torch.distributed as dist
+
+    from ftkit.checkpoint import CheckpointConfig, make_manager
+    from ftkit.checkpoint.dcp_reader import StreamingReader
+    from ftkit.errors import CheckpointError
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--fail-read-on", type=int)
+    a = ap.parse_args(argv)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    if rank == a.fail_read_on:
+        def fail(self, plan, planner):
+            raise RuntimeError(f"rank {rank}: the read failed on purpose")
+        StreamingReader.read_data = fail  # type: ignore[method-assign]
+    state, _ = build_state(rank=rank, world_size=world)
+    try:
+        print(f"loaded {make_manager(CheckpointConfig(root=a.root), rank=rank, world_size=world).load(state)}")
+    except CheckpointError as exc:
+        print(f"CheckpointError: {exc}")
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
     if sys.argv[1] == "train":
         train_main(sys.argv[2:])
+    elif sys.argv[1] == "load":
+        load_main(sys.argv[2:])
     else:
         raise SystemExit(f"unknown command {sys.argv[1]}")
     # Skip interpreter teardown once results are written: gloo objects torn down there can

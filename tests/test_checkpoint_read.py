@@ -497,10 +497,14 @@ def _flip_dcp_file(root, step, rank):
     _flip(sorted(dcp.glob(f"__{rank}_*.distcp"))[0], 0.6)
 
 
+def _flip_dcp_metadata(root, step, rank):
+    _flip(root / f"step-{step:08d}" / "dcp" / ".metadata", 0.6)
+
+
 @pytest.mark.parametrize(
     "world_size,corrupt",
-    [(1, _flip_rank_file), (2, _flip_rank_file), (2, _flip_dcp_file)],
-    ids=["one-rank", "two-ranks-rank1-state-file", "two-ranks-dcp-file"],
+    [(1, _flip_rank_file), (2, _flip_rank_file), (2, _flip_dcp_file), (2, _flip_dcp_metadata)],
+    ids=["one-rank", "two-ranks-rank1-state-file", "two-ranks-dcp-file", "two-ranks-dcp-metadata"],
 )
 def test_resume_past_a_corrupt_newest_is_bit_identical_to_resuming_the_older(tmp_path, world_size, corrupt):
     """A real trainer (dropout, sampler, Adam, StepLR; DDP + DCP with two ranks) checkpoints at
@@ -521,6 +525,23 @@ def test_resume_past_a_corrupt_newest_is_bit_identical_to_resuming_the_older(tmp
         assert all(torch.equal(v, b["model"][k]) for k, v in a["model"].items())
         for pid, st in a["optimizer"]["state"].items():
             assert all(torch.equal(v, b["optimizer"]["state"][pid][k]) for k, v in st.items())
+
+
+def test_a_dcp_read_that_fails_on_one_rank_fails_the_load_on_every_rank_naming_it(tmp_path):
+    """Each rank reads its part of a DCP checkpoint without DCP's collectives, and the ranks
+    agree before anything is set: a rank whose read fails (not a corrupt file, so nothing to
+    fall back for) fails every rank's load, the others naming it, instead of one rank hanging
+    or training on while another is gone. With nothing failing, the same checkpoint loads."""
+    root = tmp_path / "ck"
+    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], 2)
+    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], 2)
+    outs = run_ranks(["load", "--root", str(root), "--fail-read-on", "1"], 2, timeout=60)
+    said = [out.strip().splitlines()[-1] for out in outs]
+    for line in said:
+        assert line.startswith("CheckpointError: could not load modules and optimizers from "), said
+        assert "step-00000007/dcp: rank 1: RuntimeError: rank 1: the read failed on purpose" in line, said
+    outs = run_ranks(["load", "--root", str(root)], 2)
+    assert [out.strip().splitlines()[-1] for out in outs] == ["loaded 7", "loaded 7"]
 
 
 def test_crc32_combine_gives_zlibs_crc_of_the_joined_bytes_in_both_implementations():

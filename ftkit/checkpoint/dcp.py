@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ from .state.keys import match_keys
 from .state.restore import clone_tensors
 
 __all__ = [
+    "failure_of",
     "live_state_dicts",
     "load_full",
     "load_sharded",
@@ -122,9 +123,10 @@ def save_sharded(
     return files
 
 
-def saved_keys(directory: Path) -> set[str]:
-    """The state keys (``state[key]``) that ``directory/dcp`` holds, from its metadata."""
-    metadata = dcp.FileSystemReader(directory / DCP_DIR).read_metadata()
+def saved_keys(directory: Path, reader: dcp.StorageReader | None = None) -> set[str]:
+    """The state keys (``state[key]``) that ``directory/dcp`` holds, from its metadata (read by
+    ``reader`` when given: a reader that keeps what it read reads it once per load)."""
+    metadata = (reader or dcp.FileSystemReader(directory / DCP_DIR)).read_metadata()
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     keys = set()
     for fqn in metadata.state_dict_metadata:
@@ -134,27 +136,51 @@ def saved_keys(directory: Path) -> set[str]:
 
 
 def load_sharded(
-    state: Mapping[str, Any], keys: frozenset[str], directory: Path, *, pg=None, no_dist: bool = False,
-    reader: dcp.StorageReader | None = None,
+    state: Mapping[str, Any], keys: frozenset[str], directory: Path, *,
+    reader: dcp.StorageReader | None = None, agree: Callable[[BaseException | None], None] | None = None,
 ) -> None:
-    """Collective: load ``keys`` of ``state`` in place from ``directory/dcp``.
+    """Load ``keys`` of ``state`` in place from ``directory/dcp``.
 
-    ``no_dist``: one process, no collectives (no process group needed); DCP reads every
-    tensor whole from however many shards the saving ranks wrote. ``reader``: the storage
-    reader (``dcp.FileSystemReader`` of ``directory/dcp`` when None; see
+    Each process plans and reads what it needs alone (DCP's ``no_dist``): DCP's default load
+    planner coordinates nothing across ranks, and its collectives (the plans gathered and
+    scattered, the outcome gathered) cost more than the read of a small checkpoint over gloo.
+    With several ranks, ``agree(error)`` is then called on every rank with this rank's failure
+    to read (None when it read all it needs) and must raise on every rank when any rank
+    failed: nothing is set into the live modules and optimizers before every rank read its
+    part (setting an FSDP model's state may be collective). ``reader``: the storage reader
+    (``dcp.FileSystemReader`` of ``directory/dcp`` when None; see
     :class:`ftkit.checkpoint.dcp_reader.StreamingReader`).
     """
     options = StateDictOptions()
     target = live_state_dicts(state, keys, options)
-    with warnings.catch_warnings():  # no_dist is what we mean, not a fallback to warn about
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(
-            target,
-            storage_reader=reader if reader is not None else dcp.FileSystemReader(directory / DCP_DIR),
-            process_group=pg,
-            no_dist=no_dist,
-        )
+    failed: BaseException | None = None
+    try:
+        with warnings.catch_warnings():  # no_dist is what we mean, not a fallback to warn about
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(
+                target,
+                storage_reader=reader if reader is not None else dcp.FileSystemReader(directory / DCP_DIR),
+                no_dist=True,
+            )
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if agree is None or isinstance(failure_of(exc), (KeyboardInterrupt, SystemExit)):
+            raise
+        failed = exc
+    if agree is not None:
+        agree(failed)
     _set(state, keys, target, options)
+
+
+def failure_of(exc: BaseException) -> BaseException:
+    """The exception behind DCP's ``CheckpointException`` (the first failed rank's, which DCP
+    wraps with its traceback), else ``exc`` itself."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = failures[min(failures)]
+        inner = inner[0] if isinstance(inner, tuple) and inner else inner
+        if isinstance(inner, BaseException):
+            return failure_of(inner)
+    return exc
 
 
 def _set(state: Mapping[str, Any], keys: frozenset[str], sds: dict[str, Any], options: StateDictOptions) -> None:

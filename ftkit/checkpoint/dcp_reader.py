@@ -31,6 +31,7 @@ import concurrent.futures
 import dataclasses
 import io
 import logging
+import pickle
 import re
 import threading
 import zipfile
@@ -40,7 +41,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 from torch.serialization import _weights_only_unpickler
@@ -49,7 +50,16 @@ from ..errors import CheckpointError
 from .format.layout import DCP_DIR
 from .io.archive import archives_records
 from .io.device import DeviceCopies, load_copies
-from .io.reader import CHUNK, STAGING, Fetch, FileProblem, Target, check_file, scatter_file
+from .io.reader import (
+    CHUNK,
+    STAGING,
+    Fetch,
+    FileProblem,
+    Target,
+    check_file,
+    read_file,
+    scatter_file,
+)
 from .io.statefile import destination, placeable
 
 __all__ = ["CorruptFile", "StreamingReader", "corrupt_file_in"]
@@ -57,6 +67,7 @@ __all__ = ["CorruptFile", "StreamingReader", "corrupt_file_in"]
 log = logging.getLogger(__name__)
 
 _FILE = re.compile(r"__(\d+)_\d+\.distcp$")  # DCP's file of the rank that wrote it
+_METADATA = ".metadata"  # DCP's metadata file (FileSystemWriter's name)
 _ITEM_TAIL = 4 << 10  # the end of one item's archive: a directory of a few records and its end record
 
 
@@ -154,6 +165,30 @@ class StreamingReader(dcp.FileSystemReader):
         self.files_read: list[str] = []
         """The files this rank read whole (and checked), in the order it read them."""
         self._early: dict[str, _FileRead] = {}
+        self._metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's ``.metadata``, read once per load (the early read, the state keys and DCP's
+        planning each ask for it) and checked against its manifest entry as it is read (size,
+        CRC-32; :class:`CorruptFile` if it differs), so that no rank checks it beforehand.
+        A rank's own metadata file (``rank=``, DCP's fallback) is DCP's read."""
+        if args or kwargs:
+            return super().read_metadata(*args, **kwargs)
+        if self._metadata is None:
+            try:
+                _, view = read_file(self._root / _METADATA, self._meta(_METADATA), verify=self._verify,
+                                    direct=self._direct)
+            except FileProblem as exc:
+                raise CorruptFile(f"{self._root.parent}: {exc}") from exc
+            metadata = pickle.loads(view)  # as FileSystemReader reads it, which then sets its load id
+            if hasattr(self, "load_id"):
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                if getattr(metadata, "storage_meta", None) is None:
+                    metadata.storage_meta = StorageMeta()
+                metadata.storage_meta.load_id = self.load_id
+            self._metadata = metadata
+        return self._metadata
 
     def prefetch(self) -> None:
         """Start reading the first file this rank reads whole now, on a thread of its own,
@@ -166,6 +201,8 @@ class StreamingReader(dcp.FileSystemReader):
         ``read_data`` asks. :meth:`close` stops it if the load never gets there."""
         try:
             metadata = self.read_metadata()
+        except CheckpointError:  # a corrupt file, or one the manifest lacks: the load stops here
+            raise
         except Exception:  # DCP's own read of it reports the problem
             return
         storage = metadata.storage_data or {}

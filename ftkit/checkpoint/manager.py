@@ -55,19 +55,20 @@ log = logging.getLogger(__name__)
 
 class _EarlyRead:
     """A DCP checkpoint's read begun before the ranks agreed to load it (:meth:`Checkpointer._start_read`):
-    its streaming reader, this rank's state file's bytes (parsed once the load is agreed), or
-    the problem met reading them."""
+    its streaming reader, this rank's state file parsed and the state keys the checkpoint holds,
+    or the problem met reading them."""
 
     def __init__(self, reader: Any, name: str, own: bool) -> None:
         self.reader = reader
         self.name, self.own = name, own  # the state file this rank loads, and whether it is its own
-        self.state_file: tuple[Any, memoryview] | None = None
+        self.payload: dict[str, Any] = {}
+        self.available: set[str] = set()
         self.problem = ""
 
     def close(self) -> None:
-        """Stop a read the load never took (a refused load), and free the state file's bytes."""
+        """Stop a read the load never took (a refused load), and free the state file's payload."""
         self.reader.close()
-        self.state_file = None
+        self.payload = {}
 
 
 class Checkpointer(CheckpointManager):
@@ -198,13 +199,18 @@ class Checkpointer(CheckpointManager):
         Returns the restored step, or None for a fresh start. Honours ``config.resume``.
         Invalid checkpoints are skipped, newest first, each with a warning and a ``skip`` event.
         """
-        mode = self.config.resume
-        if step is None and mode == "never":
+        if step is None and self.config.resume == "never":
             log.info("checkpoint.resume is 'never': starting fresh")
             return None
         began = time.monotonic()  # the load event splits finding/validating from reading
         self.comm.check()
-        self.commits.note_leftovers()
+        try:
+            return self._load(state, step, began)
+        finally:  # after the load: its cold reads of every step directory are off a resume's path
+            self.commits.note_leftovers()
+
+    def _load(self, state: Mapping[str, Any], step: int | None, began: float) -> int | None:
+        """``load``'s candidates, newest first: each validated, agreed on and loaded, or skipped."""
         if step is None:
             candidates = [p for _, p in list_step_dirs(self.root)]
         else:
@@ -250,7 +256,7 @@ class Checkpointer(CheckpointManager):
                 "this run cannot start fresh from a state that holds part of a corrupt checkpoint. Move the "
                 f"broken step directories out of {self.root} and start again (a fresh start), or restore them"
             )
-        if mode == "required":
+        if self.config.resume == "required":
             detail = f" (skipped: {'; '.join(skipped)})" if skipped else ""
             raise NoCheckpointError(
                 f"checkpoint.resume is 'required' but there is no valid checkpoint in {self.root}{detail}"
@@ -261,20 +267,20 @@ class Checkpointer(CheckpointManager):
     def _check_here(self, path: Path, info: CheckpointInfo, *, streamed: bool = False) -> str:
         """This rank's part of validating ``path``: sizes; with several ranks also its share of
         the checksums (not the DCP files when ``streamed``: the ranks that read them check them
-        then). Small files, read before any bulk read queues on the device."""
+        then, ``.metadata`` each rank as it reads it). Small files, read before any bulk read
+        queues on the device."""
         if not info.valid:
             return f"{info.status}: {info.reason}"
         if self.comm.distributed and self.config.verify_on_load:
             skip = [n for n in info.files if n.startswith("rank-")  # checked as they are read
-                    or (streamed and n.startswith(f"{DCP_DIR}/") and n.endswith(".distcp"))]
+                    or (streamed and n.startswith(f"{DCP_DIR}/"))]
             return verify_files(path, info.files, verify_share(info.files, self.rank, self.world_size, skip=skip),
                                 cache=True)
         return ""
 
     def _agree(self, problem: str) -> str:
         """The first rank's problem with the checkpoint, the same on every rank."""
-        problems = [p for p in self.comm.gather(problem) if p]
-        return problems[0] if problems else ""
+        return self.comm.first_problem(problem)
 
     def _state_file(self, info: CheckpointInfo, path: Path) -> tuple[str, bool]:
         """The state file this rank loads, and whether it is its own (else rank 0's)."""
@@ -287,12 +293,14 @@ class Checkpointer(CheckpointManager):
 
     def _start_read(self, path: Path, info: CheckpointInfo) -> _EarlyRead | None:
         """A DCP checkpoint read straight into the live tensors starts before the ranks agree
-        that it is valid: this rank's state file is read (a small read, parsed later) and its
-        own DCP file starts streaming (:meth:`ftkit.checkpoint.dcp_reader.StreamingReader.prefetch`),
-        so the agreement, the state file's parse and DCP's planning overlap the bulk read.
-        Nothing reaches the live state before the load is agreed. None for other checkpoints."""
+        that it is valid: this rank's state file is read (a small read), its own DCP file starts
+        streaming (:meth:`ftkit.checkpoint.dcp_reader.StreamingReader.prefetch`), and while it
+        streams the state file is parsed and the checkpoint's keys read from DCP's metadata, so
+        one agreement covers all of it and DCP's planning overlaps the bulk read. Nothing
+        reaches the live state before the load is agreed. None for other checkpoints."""
         if not is_dcp(info.files):
             return None
+        from .dcp import saved_keys
         from .dcp_reader import StreamingReader
 
         reader = StreamingReader(path / DCP_DIR, info.files, verify=self.config.verify_on_load,
@@ -300,9 +308,11 @@ class Checkpointer(CheckpointManager):
                                  world_size=self.world_size if self.comm.distributed else 1)
         early = _EarlyRead(reader, *self._state_file(info, path))
         try:
-            early.state_file = read_state_bytes(path, early.name, info.files[early.name],
-                                                verify=self.config.verify_on_load, direct=self.config.direct_io)
+            state_file = read_state_bytes(path, early.name, info.files[early.name],
+                                          verify=self.config.verify_on_load, direct=self.config.direct_io)
             reader.prefetch()  # after the small read above, which would queue behind its bulk
+            early.payload = parse_state_file(path / early.name, state_file)
+            early.available = set(early.payload["state"]) | saved_keys(path, reader)
         except Exception as exc:  # this rank's problem: every rank skips the checkpoint (none may hang)
             early.problem = str(exc) or type(exc).__name__
         return early
@@ -325,36 +335,23 @@ class Checkpointer(CheckpointManager):
         sharded = is_dcp(info.files)
         name, own = (early.name, early.own) if early is not None else self._state_file(info, path)
         reader = early.reader if early is not None else None
-        problem = ""
-        payload: dict[str, Any] = {}
-        available: set[str] = set()
-        try:
-            verify = self.config.verify_on_load  # a state file is checked as it is read
-            if verify and sharded and not self.comm.distributed and not into_live:
-                # one process reads every dcp/ file (with several ranks, _check_here shares them)
-                dcp_files = [f for f in sorted(info.files) if f.startswith(f"{DCP_DIR}/")]
-                problem = verify_files(path, info.files, dcp_files, cache=True)
-                if problem:
-                    raise CheckpointError(problem)
-            if early is not None and early.state_file is not None:  # read by _start_read
-                payload = parse_state_file(path / name, early.state_file)
-                early.state_file = None
-            elif into_live and not sharded and not self.comm.distributed:
-                payload = read_state_into(path, name, info.files[name], lambda p: self._targets(state, p, path),
-                                          verify=verify, direct=self.config.direct_io)
-            else:
-                payload = read_state_file(path, name, info.files[name], verify=verify, mmap=True,
-                                          direct=self.config.direct_io)
-            available = set(payload["state"])
-            if sharded:
-                from .dcp import saved_keys
+        if early is not None:  # read, parsed and agreed on before (_start_read, load)
+            payload, available = early.payload, early.available
+        else:
+            problem = ""
+            payload, available = {}, set()
+            try:
+                payload = self._read(state, path, info, name, into_live=into_live)
+                available = set(payload["state"])
+                if sharded:
+                    from .dcp import saved_keys
 
-                available |= saved_keys(path)
-        except (CheckpointError, KeyError, OSError, ValueError) as exc:
-            problem = str(exc)
-        problems = [p for p in self.comm.gather(problem) if p]
-        if problems:
-            return problems[0]
+                    available |= saved_keys(path)
+            except (CheckpointError, KeyError, OSError, ValueError) as exc:
+                problem = str(exc)
+            problem = self.comm.first_problem(problem)
+            if problem:
+                return problem
         if self.rank == 0 and saved_world != self.world_size:
             log.warning("%s", describe_rule(path, saved_world, self.world_size))
         allowed = check_missing(state, available, self.config, path, self._emit, info.step)
@@ -370,9 +367,10 @@ class Checkpointer(CheckpointManager):
             if reader is not None:
                 self._into_live_used = True
             try:
-                if sharded:
-                    load_sharded(live, keys, path, pg=self.comm.pg, no_dist=not self.comm.distributed,
-                                 reader=reader)
+                if sharded:  # each rank reads its part alone; the ranks agree before it is set
+                    load_sharded(live, keys, path, reader=reader,
+                                 agree=(lambda failed: self._agree_read(failed, path / DCP_DIR))
+                                 if self.comm.distributed else None)
                 else:  # a one-process checkpoint: every rank reads the full state dicts
                     load_full(live, keys, payload["state"], str(path))
             except BaseException as exc:  # DCP's CheckpointException is a BaseException
@@ -403,6 +401,44 @@ class Checkpointer(CheckpointManager):
                 log.warning("state[%r] is a plain value in a read-only mapping; restored value dropped", key)
         restore_rng(payload["rng"] if own else derive_rng(payload["rng"], self.rank))
         return ""
+
+    def _read(self, state: Mapping[str, Any], path: Path, info: CheckpointInfo, name: str, *,
+              into_live: bool) -> dict[str, Any]:
+        """This rank's state file of ``path``, read and parsed (``_try_load`` without an early read)."""
+        sharded = is_dcp(info.files)
+        verify = self.config.verify_on_load  # a state file is checked as it is read
+        if verify and sharded and not self.comm.distributed and not into_live:
+            # one process reads every dcp/ file (with several ranks, _check_here shares them)
+            dcp_files = [f for f in sorted(info.files) if f.startswith(f"{DCP_DIR}/")]
+            problem = verify_files(path, info.files, dcp_files, cache=True)
+            if problem:
+                raise CheckpointError(problem)
+        if into_live and not sharded and not self.comm.distributed:
+            return read_state_into(path, name, info.files[name], lambda p: self._targets(state, p, path),
+                                   verify=verify, direct=self.config.direct_io)
+        return read_state_file(path, name, info.files[name], verify=verify, mmap=True,
+                               direct=self.config.direct_io)
+
+    def _agree_read(self, failed: BaseException | None, where: Path) -> None:
+        """After every rank read its part of a DCP checkpoint (``failed``: this rank's failure):
+        raise on every rank when any rank failed. A corrupt file found during the read comes
+        first, as :class:`ftkit.checkpoint.dcp_reader.CorruptFile` (the checkpoint is skipped);
+        else a :class:`CheckpointError` naming the first rank that failed and why."""
+        from .dcp import failure_of
+        from .dcp_reader import CorruptFile, corrupt_file_in
+
+        if not self.comm.anyone(failed is not None):
+            return
+        said = None
+        if failed is not None:
+            corrupt, cause = corrupt_file_in(failed), failure_of(failed)
+            said = (corrupt is not None, str(corrupt) if corrupt is not None else f"{type(cause).__name__}: {cause}")
+        gathered = self.comm.gather(said)
+        found = [entry[1] for entry in gathered if entry is not None and entry[0]]
+        if found:
+            raise CorruptFile(found[0]) from failed
+        rank, text = next((r, entry[1]) for r, entry in enumerate(gathered) if entry is not None)
+        raise CheckpointError(f"could not load modules and optimizers from {where}: rank {rank}: {text}") from failed
 
     def _targets(self, state: Mapping[str, Any], payload: Mapping[str, Any], path: Path) -> dict[int, Any]:
         """The live tensors the payload's tensors will be copied into (``live_targets``), or
