@@ -455,6 +455,56 @@ def test_a_dcp_checkpoint_is_read_once_per_file_straight_into_the_live_tensors(t
         assert 0 < small <= 64 << 10, small
 
 
+def test_a_rank_reads_its_own_dcp_file_whole_and_the_values_in_anothers_in_small_direct_reads(tmp_path, monkeypatch):
+    """Rank 0's share of a two-rank DCP load (driven in one process): its own ``__0_*.distcp``
+    is read whole, and the small values DCP stored once in rank 1's file (an optimizer's
+    hyperparameters) are read beside the headers, in small O_DIRECT reads, before the bulk,
+    then handed to DCP while the bulk streams, not read through the page cache after it. The
+    state is the one DCP's own reader gives, the values included."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from ftkit.checkpoint.dcp import load_sharded, sharded_keys
+    from ftkit.checkpoint.dcp_reader import StreamingReader
+    from ftkit.checkpoint.format.manifest import validate_dir
+    from tests.ckpt_helpers import build_state
+
+    root = tmp_path / "ck"
+    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], 2)
+    step = root / "step-00000007"
+    reference, _ = build_state()
+    assert make_mgr(root).load(reference, step=7) == 7  # an explicit step: DCP's own reader
+    state, _ = build_state()
+    with torch.no_grad():
+        for p in state["model"].parameters():
+            p.add_(1.0)
+    for group in state["optimizer"].param_groups:
+        group["lr"], group["betas"] = 123.0, (0.5, 0.25)
+    reads = _spy_reads(monkeypatch)
+    reader = StreamingReader(step / "dcp", validate_dir(step).files, rank=0, world_size=2)
+    metadata = reader.read_metadata()
+    theirs = [info for index, info in metadata.storage_data.items() if info.relative_path.startswith("__1_")
+              and isinstance(metadata.state_dict_metadata[index.fqn], BytesStorageMetadata)]
+    assert theirs, "DCP stored no value in rank 1's file: this test shows nothing"
+    reader.prefetch()
+    try:
+        load_sharded(state, sharded_keys(state), step, reader=reader)
+    finally:
+        reader.close()
+    assert reader.files_read == [p.name for p in sorted((step / "dcp").glob("__0_*.distcp"))]
+    assert all(torch.equal(a, b) for a, b in zip(state["model"].state_dict().values(),
+                                                  reference["model"].state_dict().values(), strict=True))
+    want = reference["optimizer"].state_dict()
+    assert state["optimizer"].state_dict()["param_groups"] == want["param_groups"]
+    for pid, st in state["optimizer"].state_dict()["state"].items():
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(want["state"][pid][k])) for k, v in st.items())
+    ino = (step / "dcp" / theirs[0].relative_path).stat().st_ino
+    small = [r for r in reads.small if r[0] == ino]
+    assert small and all(d for *_, d in small) and sum(n for _, _, n, _ in small) <= 64 << 10
+    assert not [r for r in reads.bulk if r[0] == ino]  # nothing of it read whole here
+    for info in theirs:  # every value of rank 1's file among what those small reads brought
+        assert any(off <= info.offset and info.offset + info.length <= off + n for _, off, n, _ in small)
+
+
 def _recording(init, into: list):
     def record(self, *args, **kwargs):
         init(self, *args, **kwargs)

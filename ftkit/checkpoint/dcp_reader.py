@@ -35,7 +35,7 @@ import pickle
 import re
 import threading
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,7 @@ from .io.reader import (
     Target,
     check_file,
     read_file,
+    read_spans,
     scatter_file,
 )
 from .io.statefile import destination, placeable
@@ -107,11 +108,12 @@ def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
     return tensor
 
 
-def _archives(view: memoryview, fetch: Fetch, spans: list[tuple[int, int]], where: str
-              ) -> list[tuple[bytes, dict[str, int]]]:
+def _archives(view: memoryview, fetch: Fetch, spans: list[tuple[int, int]], where: str,
+              extra: Sequence[tuple[int, int]] = ()) -> list[tuple[bytes, dict[str, int]]]:
     """For the ``torch.save`` archive at each ``[start, end)`` of the file: its pickle, and where
     each of its storage records' bytes begin in the file (by storage key). The small reads of
-    all archives go out together (:func:`ftkit.checkpoint.io.archive.archives_records`)."""
+    all archives go out together (:func:`ftkit.checkpoint.io.archive.archives_records`); the
+    ``extra`` ranges are read with the pickles."""
     try:
         every = archives_records(view, fetch, spans, tail=_ITEM_TAIL)
     except (FileProblem, zipfile.BadZipFile) as exc:
@@ -122,7 +124,7 @@ def _archives(view: memoryview, fetch: Fetch, spans: list[tuple[int, int]], wher
         if len(pickled) != 1:
             raise _Unsupported(f"{where} at byte {start}: not one data.pkl in the item")
         pickles.append(pickled[0])
-    fetch.many([(a, a + n) for a, n in pickles])
+    fetch.many([(a, a + n) for a, n in pickles] + list(extra))
     return [(bytes(view[a : a + n]), {name.rsplit("/", 1)[1]: a for name, (a, _) in records.items()
                                       if "/data/" in name and not name.endswith(".pkl")})
             for (a, n), records in zip(pickles, every, strict=True)]
@@ -165,6 +167,7 @@ class StreamingReader(dcp.FileSystemReader):
         self.files_read: list[str] = []
         """The files this rank read whole (and checked), in the order it read them."""
         self._early: dict[str, _FileRead] = {}
+        self._values: dict[tuple[str, int], bytes] = {}  # (file, offset) -> an item of another rank's file
         self._metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -215,13 +218,34 @@ class StreamingReader(dcp.FileSystemReader):
                    if isinstance(meta, TensorStorageMetadata)}
         spans = sorted({(info.offset, info.offset + info.length) for index, info in storage.items()
                         if info.relative_path == names[0] and index.fqn in tensors})
+        values = sorted({(info.offset, info.offset + info.length) for index, info in storage.items()
+                         if info.relative_path == names[0] and index.fqn not in tensors})
         try:
-            read = self._early[names[0]] = _FileRead(self, names[0], spans)
+            read = self._early[names[0]] = _FileRead(self, names[0], spans, values)
         except CheckpointError:  # not in the manifest: read_data reports it
             return
+        # the values of files other ranks read whole (DCP stores a value every rank holds in one
+        # rank's file) are small reads too: read now, beside the headers, not queued behind the
+        # bulk, nor through the page cache with its read-ahead as DCP's own reader would
+        self._read_values(sorted({(info.relative_path, info.offset, info.length) for index, info in storage.items()
+                                  if info.relative_path not in names and index.fqn not in tensors}))
         # its small reads go first, alone: this thread's Python work would hold the GIL they
         # need after each read, and a bulk read would queue them behind its pieces
         read.headers_read.wait()
+
+    def _read_values(self, ranges: list[tuple[str, int, int]]) -> None:
+        """Read the items at ``(file, offset, length)`` into :attr:`_values` with small direct
+        reads, those of a file together. A file that cannot be read here is left to DCP's own
+        reader, and to the rank that checks it, to report."""
+        files: dict[str, list[tuple[int, int]]] = {}
+        for name, offset, length in ranges:
+            files.setdefault(name, []).append((offset, offset + length))
+        for name, spans in files.items():
+            try:
+                got = read_spans(self._root / name, int(self._meta(name)["size"]), spans, direct=self._direct)
+            except (CheckpointError, FileProblem, KeyError, TypeError, ValueError):
+                continue
+            self._values.update({(name, a): value for (a, _), value in got.items()})
 
     def close(self) -> None:
         """Stop and join the reads :meth:`prefetch` started that ``read_data`` did not take."""
@@ -254,11 +278,19 @@ class StreamingReader(dcp.FileSystemReader):
                     if name in per_file or early is not None:
                         read = early or _FileRead(self, name, None)
                         read.give(per_file.get(name, []), planner)
+                        if others:  # the few items of files another rank checks, while this
+                            # rank's file streams (its plan made: one thread at a time asks the
+                            # planner), not after it: values read early, the rest by DCP's reader
+                            read.planned.wait()
+                            others = self._give_values(others, planner)
+                            if others:
+                                super().read_data(dataclasses.replace(plan, items=others), planner).wait()
+                                others = []
                         read.finish(planner)
                         self.files_read.append(name)
                     else:
                         self._check(name)
-                if others:  # the few items of files another rank checks: DCP's own reads
+                if others:
                     return super().read_data(dataclasses.replace(plan, items=others), planner)
                 done: Future[None] = Future()
                 done.set_result(None)
@@ -272,6 +304,18 @@ class StreamingReader(dcp.FileSystemReader):
         for name in mine:
             self._check(name, cache=True)
         return super().read_data(plan, planner)
+
+    def _give_values(self, items: list[Any], planner: LoadPlanner) -> list[Any]:
+        """Hand DCP the values of ``items`` that :meth:`_read_values` read; the other items."""
+        rest = []
+        for item in items:
+            info = self.storage_data[item.storage_index]
+            value = self._values.get((info.relative_path, info.offset))
+            if item.type == LoadItemType.BYTE_IO and value is not None and len(value) == info.length:
+                planner.load_bytes(item, io.BytesIO(value))
+            else:
+                rest.append(item)
+        return rest
 
     def _check(self, name: str, *, cache: bool = False) -> None:
         """Check a file's size and CRC-32 without keeping it (``cache``: through the page cache)."""
@@ -307,10 +351,16 @@ class _FileRead:
     before DCP planned the load: the items' headers are read and parsed, then the bulk of the
     file streams into the staging buffers while :meth:`give` is awaited with the items the
     load wants from it and the planner that resolves their tensors; only then do the bytes go
-    to their tensors. With ``spans`` None the read parses the items it is given."""
+    to their tensors. With ``spans`` None the read parses the items it is given. ``values``
+    (its other items: small pickled values, such as an optimizer's hyperparameters) are read
+    with the headers, so that DCP gets them while the bulk streams, not after it."""
 
-    def __init__(self, reader: StreamingReader, name: str, spans: list[tuple[int, int]] | None) -> None:
-        self._reader, self.name, self._spans = reader, name, spans
+    def __init__(self, reader: StreamingReader, name: str, spans: list[tuple[int, int]] | None,
+                 values: Sequence[tuple[int, int]] = ()) -> None:
+        self._reader, self.name, self._spans, self._values = reader, name, spans, values
+        self._values_read: list[tuple[Any, memoryview]] = []  # (item, its bytes) read with the headers
+        self.planned = threading.Event()
+        """The read knows where the bytes go (:meth:`give`'s planner is done with), or ended."""
         self.path = reader._root / name
         self._meta = reader._meta(name)
         self._wanted: concurrent.futures.Future[tuple[list[Any], LoadPlanner] | None] = concurrent.futures.Future()
@@ -346,12 +396,15 @@ class _FileRead:
             self._error = exc
         finally:
             self.headers_read.set()
+            self.planned.set()
 
-    def _parse(self, view: memoryview, fetch: Fetch, spans: list[tuple[int, int]]) -> dict[int, tuple[torch.Tensor, int]]:
+    def _parse(self, view: memoryview, fetch: Fetch, spans: list[tuple[int, int]],
+               values: Sequence[tuple[int, int]] = ()) -> dict[int, tuple[torch.Tensor, int]]:
         """Item start -> (its tensor on ``meta``, the file offset of its storage bytes); the
-        bulk read may start once the items' headers are read, before they are parsed."""
+        bulk read may start once the items' headers (and ``values``) are read, before they are
+        parsed."""
         where = str(self.path)
-        archives = _archives(view, fetch, spans, where)
+        archives = _archives(view, fetch, spans, where, values)
         fetch.done()
         self.headers_read.set()
         return {start: StreamingReader._item(pickle_bytes, records, f"{where} item at byte {start}")
@@ -359,7 +412,7 @@ class _FileRead:
 
     def _plan(self, mapping: Any, view: memoryview, fetch: Fetch) -> list[Target] | None:
         # with spans, the headers are read and parsed and the bulk streams while DCP plans
-        parsed = self._parse(view, fetch, self._spans) if self._spans is not None else {}
+        parsed = self._parse(view, fetch, self._spans, self._values) if self._spans is not None else {}
         wanted = self._wanted.result()
         if wanted is None:
             raise _Cancelled(f"{self.path}: the load stopped before it read this file")
@@ -371,7 +424,11 @@ class _FileRead:
         for item in items:
             info = storage[item.storage_index]
             if item.type == LoadItemType.BYTE_IO:
-                self._after.append((item, "bytes", (info.offset, info.offset + info.length)))
+                a, b = info.offset, info.offset + info.length
+                if fetch.covered(a, b):  # read with the headers: DCP gets it while the bulk streams
+                    self._values_read.append((item, view[a:b]))
+                else:
+                    self._after.append((item, "bytes", (a, b)))
             else:
                 tensors.append((item, info))
         missing = sorted({(info.offset, info.offset + info.length) for _, info in tensors if info.offset not in parsed})
@@ -399,10 +456,15 @@ class _FileRead:
                 raise _Unsupported(f"{self.path}: items overlap")
             targets.append((start, end, destination(target, self._copies)))
             self._after.append((item, "direct", target))
+        self.planned.set()
         return targets
 
     def finish(self, planner: LoadPlanner) -> None:
-        """Wait for the read, then hand DCP every item it wanted from the file."""
+        """Hand DCP the values read with the headers while the bulk streams, wait for the read,
+        then hand it every other item it wanted from the file."""
+        self.planned.wait()
+        for item, value in self._values_read:  # the bulk rewrites these bytes with the same ones
+            planner.load_bytes(item, io.BytesIO(bytes(value)))
         self.wait()
         if self._error is not None:
             raise self._error

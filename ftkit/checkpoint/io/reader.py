@@ -59,7 +59,7 @@ from .files import CHECKSUM, crc32, crc32_combine
 from .reads import FileProblem, Reads, address, opened
 
 __all__ = ["CHUNK", "DEPTH", "SUB", "Destination", "Fence", "Fetch", "FileProblem", "Target", "check_file", "read_file",
-           "scatter_file"]
+           "read_spans", "scatter_file"]
 
 CHUNK = 2 << 20  # one request: whole blocks. Small enough that the reads in flight, which a device
 # tends to complete together, are placed soon after the last of them arrives; large enough for
@@ -334,7 +334,8 @@ class Fetch:
         to return, so that the small reads do not queue behind it)."""
         self.finished()
 
-    def _covered(self, start: int, end: int) -> bool:
+    def covered(self, start: int, end: int) -> bool:
+        """Whether bytes ``[start, end)`` were read."""
         i = bisect.bisect_right(self._starts, start) - 1
         return i >= 0 and end <= self._ends[i]
 
@@ -353,7 +354,7 @@ class Fetch:
         spans: list[tuple[int, int]] = []
         for start, end in sorted(ranges):
             start, end = max(0, start), min(self._size, end)
-            if end <= start or self._covered(start, end):
+            if end <= start or self.covered(start, end):
                 continue
             a = start - start % BLOCK
             b = min(-(-max(end, start + FETCH) // BLOCK) * BLOCK, self._whole.nbytes)
@@ -370,6 +371,17 @@ class Fetch:
                     raise FileProblem(f"{self._reads.source.path.name}: ends before byte {a + want} (the "
                                       f"manifest says {self._size})")
                 self._add(a, min(b, self._size))
+
+
+def read_spans(path: Path, size: int, spans: list[tuple[int, int]], *, direct: bool | None = None
+               ) -> dict[tuple[int, int], bytes]:
+    """The bytes of each ``[start, end)`` of ``path`` (``size`` bytes, as its manifest says),
+    read together in small reads (:class:`Fetch`): a few items of a file, without its bulk.
+    Raises :class:`FileProblem` when the file is missing or of another size."""
+    _, whole = read_buffer(size)
+    with opened(path, path.name, size, direct=direct, cache=False, room=ROOM) as reads:
+        Fetch(reads, whole, size).many(spans)
+    return {(a, b): bytes(whole[a:b]) for a, b in spans}
 
 
 class Destination(Protocol):
