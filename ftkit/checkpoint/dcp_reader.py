@@ -112,10 +112,10 @@ def _archives(view: memoryview, fetch: Fetch, spans: list[tuple[int, int]], wher
               extra: Sequence[tuple[int, int]] = ()) -> list[tuple[bytes, dict[str, int]]]:
     """For the ``torch.save`` archive at each ``[start, end)`` of the file: its pickle, and where
     each of its storage records' bytes begin in the file (by storage key). The small reads of
-    all archives go out together (:func:`ftkit.checkpoint.io.archive.archives_records`); the
-    ``extra`` ranges are read with the pickles."""
+    all archives go out together (:func:`ftkit.checkpoint.io.archive.archives_records`), the
+    ``extra`` ranges with their first round."""
     try:
-        every = archives_records(view, fetch, spans, tail=_ITEM_TAIL)
+        every = archives_records(view, fetch, spans, tail=_ITEM_TAIL, extra=extra)
     except (FileProblem, zipfile.BadZipFile) as exc:
         raise _Unsupported(f"{where}: {exc}") from None
     pickles: list[tuple[int, int]] = []
@@ -124,7 +124,7 @@ def _archives(view: memoryview, fetch: Fetch, spans: list[tuple[int, int]], wher
         if len(pickled) != 1:
             raise _Unsupported(f"{where} at byte {start}: not one data.pkl in the item")
         pickles.append(pickled[0])
-    fetch.many([(a, a + n) for a, n in pickles] + list(extra))
+    fetch.many([(a, a + n) for a, n in pickles])
     return [(bytes(view[a : a + n]), {name.rsplit("/", 1)[1]: a for name, (a, _) in records.items()
                                       if "/data/" in name and not name.endswith(".pkl")})
             for (a, n), records in zip(pickles, every, strict=True)]
@@ -290,6 +290,7 @@ class StreamingReader(dcp.FileSystemReader):
                         self.files_read.append(name)
                     else:
                         self._check(name)
+                others = self._give_values(others, planner)
                 if others:
                     return super().read_data(dataclasses.replace(plan, items=others), planner)
                 done: Future[None] = Future()
@@ -418,6 +419,7 @@ class _FileRead:
             raise _Cancelled(f"{self.path}: the load stopped before it read this file")
         items, planner = wanted
         if not items:
+            self.planned.set()
             return None  # nothing of it wanted here: checked as it streams, nothing kept
         storage = self._reader.storage_data
         tensors = []

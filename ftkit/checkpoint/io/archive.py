@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import struct
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .reader import Fetch, FileProblem
 
@@ -92,7 +92,7 @@ def _directory(view: memoryview, start: int, end: int, read: int) -> list[tuple[
 
 
 def archives_records(view: memoryview, fetch: Fetch, spans: list[tuple[int, int]], *, tail: int = TAIL,
-                     ) -> list[dict[str, tuple[int, int]]]:
+                     extra: Sequence[tuple[int, int]] = ()) -> list[dict[str, tuple[int, int]]]:
     """For the zip archive at each ``[start, end)`` of the file, every record: name -> (offset
     of its data in the file, size), from the archive's directory and each record's local
     header; the records' data is not read. All archives' ends are read at once
@@ -100,10 +100,12 @@ def archives_records(view: memoryview, fetch: Fetch, spans: list[tuple[int, int]
     any number of archives, not a few per archive (the first round's reads, a few KiB each,
     usually hold the local headers too). ``tail``: how much of each archive's end to read
     first (its directory and end record). The directory is parsed directly where the archive
-    is of the plain kind ``torch.save`` writes, else by :mod:`zipfile`."""
+    is of the plain kind ``torch.save`` writes, else by :mod:`zipfile`. ``extra``: other
+    ranges of the file the caller wants, read with the first round."""
     # each archive's end and its first local header (where the next archive follows this
     # one, the two are one read)
-    fetch.many([(max(start, end - tail), end) for start, end in spans] + [(start, start + 30) for start, _ in spans])
+    fetch.many([(max(start, end - tail), end) for start, end in spans] + [(start, start + 30) for start, _ in spans]
+               + list(extra))
     directories: list[list[tuple[str, int, int, int]]] = []
     for start, end in spans:
         entries = _directory(view, start, end, tail)
