@@ -723,3 +723,59 @@ def test_the_zip_directory_read_directly_is_zipfiles_or_is_left_to_it(tmp_path):
     at = bytes(damaged).rfind(b"PK\x05\x06")
     damaged[at + 8 : at + 10] = b"\xff\xff"  # a zip64 entry count: zipfile's to read
     assert _archive._directory(memoryview(damaged), 0, len(damaged), 4 << 10) is None
+
+
+def test_an_items_tensor_is_read_from_its_pickle_as_torchs_weights_only_unpickler_reads_it(tmp_path):
+    """The tensor of a DCP item's pickle (one ``torch.save``'d tensor) on ``meta``: the fast
+    path (the C unpickler with a few globals) gives the dtype, shape, strides, offset and
+    storage size torch's ``weights_only`` unpickler gives, for every dtype and layout; a pickle
+    it does not read (a Parameter) goes to torch's unpickler, one that names any other global
+    is refused by it, and nothing in a pickle makes a storage of its own."""
+    import io
+    import pickle
+    import zipfile
+
+    def pickled(obj) -> tuple[bytes, list[str]]:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+            names = z.namelist()
+            return z.read(next(n for n in names if n.endswith("data.pkl"))), [
+                n.rsplit("/", 1)[1] for n in names if "/data/" in n and not n.endswith(".pkl")]
+
+    base = torch.randn(6, 5)
+    cases = [torch.randn(3, 4), torch.randn(2, 3).to(torch.bfloat16), torch.tensor(7), torch.zeros(0, 3),
+             torch.ones(4, dtype=torch.bool), torch.randn(3, dtype=torch.complex64), torch.arange(5, dtype=torch.int64),
+             base.t(), base[2:, 1:4], base[:, 3], torch.randn(2, 3, 4).permute(2, 0, 1), torch.randn(3).half()]
+    for case in cases:
+        data, records = pickled(case)
+        fast = _archive._TensorUnpickler(data)
+        got = fast.load()  # the fast path itself reads it, no fallback
+        assert [s.key for s in fast.stored] == records
+        tensor, key = _archive.meta_tensor(data)
+        slow, keys = _archive._weights_only(data)
+        for t in (got, tensor):
+            assert t.device.type == "meta" and key == keys[0]
+            assert (t.dtype, t.shape, t.stride(), t.storage_offset()) == (
+                slow.dtype, slow.shape, slow.stride(), slow.storage_offset()) == (
+                case.dtype, case.shape, case.stride(), case.storage_offset())
+            assert t.untyped_storage().nbytes() == slow.untyped_storage().nbytes() == case.untyped_storage().nbytes()
+
+    data, _ = pickled(torch.nn.Parameter(torch.randn(2, 2)))
+    with pytest.raises(pickle.UnpicklingError, match="_rebuild_parameter is not read here"):
+        _archive._TensorUnpickler(data).load()
+    tensor, _ = _archive.meta_tensor(data)  # torch's unpickler reads it
+    assert tensor.shape == (2, 2) and tensor.device.type == "meta"
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+
+    for evil in (pickle.dumps(Boom(), protocol=2),
+                 # a storage class called directly: a storage that is not the pickle's to make
+                 b"\x80\x02ctorch\nFloatStorage\nJ\x00\x00\x00\x10\x85R."):
+        with pytest.raises((pickle.UnpicklingError, TypeError)):
+            _archive.meta_tensor(evil)
+    assert not (tmp_path / "ran").exists()
+    with pytest.raises(_archive.NotOneTensor):
+        _archive.meta_tensor(pickled({"a": torch.ones(1)})[0])

@@ -44,11 +44,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
-from torch.serialization import _weights_only_unpickler
 
 from ..errors import CheckpointError
 from .format.layout import DCP_DIR
-from .io.archive import archives_records
+from .io.archive import NotOneTensor, archives_records, meta_tensor
 from .io.device import DeviceCopies, load_copies
 from .io.reader import (
     CHUNK,
@@ -128,25 +127,6 @@ def _archives(view: memoryview, fetch: Fetch, spans: list[tuple[int, int]], wher
     return [(bytes(view[a : a + n]), {name.rsplit("/", 1)[1]: a for name, (a, _) in records.items()
                                       if "/data/" in name and not name.endswith(".pkl")})
             for (a, n), records in zip(pickles, every, strict=True)]
-
-
-def _meta_tensor(pickle_bytes: bytes, where: str) -> tuple[torch.Tensor, str]:
-    """The archive's tensor with its storage on the ``meta`` device, and its storage key."""
-    keys: list[str] = []
-
-    def persistent_load(pid: Any) -> Any:
-        _, storage_type, key, _location, numel = pid
-        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-        keys.append(str(key))
-        storage = torch.UntypedStorage(numel * torch.empty((), dtype=dtype).element_size(), device="meta")
-        return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
-
-    unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(pickle_bytes), encoding="utf-8")
-    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
-    tensor = unpickler.load()
-    if not isinstance(tensor, torch.Tensor) or len(keys) != 1:
-        raise _Unsupported(f"{where}: an item that is not one tensor of one storage")
-    return tensor, keys[0]
 
 
 class StreamingReader(dcp.FileSystemReader):
@@ -335,7 +315,10 @@ class StreamingReader(dcp.FileSystemReader):
     @staticmethod
     def _item(pickle_bytes: bytes, records: dict[str, int], where: str) -> tuple[torch.Tensor, int]:
         """The item's tensor on ``meta`` and the file offset of its storage bytes."""
-        tensor, key = _meta_tensor(pickle_bytes, where)
+        try:
+            tensor, key = meta_tensor(pickle_bytes)
+        except NotOneTensor as exc:
+            raise _Unsupported(f"{where}: {exc}") from None
         if key not in records:
             raise _Unsupported(f"{where}: storage {key} not in the archive")
         return tensor, records[key]
