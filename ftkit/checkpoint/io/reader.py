@@ -362,8 +362,11 @@ class Fetch:
                 spans[-1] = (spans[-1][0], max(b, spans[-1][1]))
             else:
                 spans.append((a, b))
-        for k in range(0, len(spans), SMALL_BATCH):
-            batch = spans[k : k + SMALL_BATCH]
+        # all at once where they fit beside the reads in flight (before a bulk read: the
+        # headers of a file's items go out together), else SMALL_BATCH at a time
+        step = max(SMALL_BATCH, self._reads.room - self._reads.in_flight)
+        for k in range(0, len(spans), step):
+            batch = spans[k : k + step]
             tags = self._reads.submit([(self._whole[a:b], a) for a, b in batch], "small")
             for (a, b), n in zip(batch, self._reads.take(tags), strict=True):
                 want = min(b, self._size) - a

@@ -156,6 +156,7 @@ class Reads:
 
     def __init__(self, source: Source, *, fresh: bool = False, room: int = 96) -> None:
         self.source = source
+        self.room = room
         self._size = source.size
         self._tags = itertools.count()
         self._asked: dict[int, tuple[memoryview, int, str]] = {}  # tag -> (view, offset, kind)
@@ -169,6 +170,11 @@ class Reads:
             if ctx is not None:
                 return _Aio(ctx, fd)
         return _Threads(self.source)
+
+    @property
+    def in_flight(self) -> int:
+        """Reads submitted and not yet collected."""
+        return len(self._asked)
 
     @property
     def engine(self) -> str:
