@@ -32,6 +32,7 @@ from ftkit.checkpoint.io import direct as _direct
 from ftkit.checkpoint.io import reader as _reader
 from ftkit.checkpoint.io import reads as _reads
 from ftkit.checkpoint.io import statefile as _single
+from ftkit.checkpoint.io import unpickle as _unpickle
 from ftkit.checkpoint.io.reader import FileProblem, check_file, read_file
 from ftkit.checkpoint.io.statefile import read_state_file, write_state_file
 from ftkit.errors import CheckpointError
@@ -729,7 +730,7 @@ def test_an_items_tensor_is_read_from_its_pickle_as_torchs_weights_only_unpickle
     """The tensor of a DCP item's pickle (one ``torch.save``'d tensor) on ``meta``: the fast
     path (the C unpickler with a few globals) gives the dtype, shape, strides, offset and
     storage size torch's ``weights_only`` unpickler gives, for every dtype and layout; a pickle
-    it does not read (a Parameter) goes to torch's unpickler, one that names any other global
+    it does not read (a conjugate view) goes to torch's unpickler, one that names any other global
     is refused by it, and nothing in a pickle makes a storage of its own."""
     import io
     import pickle
@@ -749,11 +750,11 @@ def test_an_items_tensor_is_read_from_its_pickle_as_torchs_weights_only_unpickle
              base.t(), base[2:, 1:4], base[:, 3], torch.randn(2, 3, 4).permute(2, 0, 1), torch.randn(3).half()]
     for case in cases:
         data, records = pickled(case)
-        fast = _archive._TensorUnpickler(data)
+        fast = _unpickle._MetaUnpickler(data)
         got = fast.load()  # the fast path itself reads it, no fallback
-        assert [s.key for s in fast.stored] == records
-        tensor, key = _archive.meta_tensor(data)
-        slow, keys = _archive._weights_only(data)
+        assert fast.keys == records
+        tensor, key = _unpickle.meta_tensor(data)
+        slow, keys = _unpickle._weights_only(data)
         for t in (got, tensor):
             assert t.device.type == "meta" and key == keys[0]
             assert (t.dtype, t.shape, t.stride(), t.storage_offset()) == (
@@ -761,11 +762,11 @@ def test_an_items_tensor_is_read_from_its_pickle_as_torchs_weights_only_unpickle
                 case.dtype, case.shape, case.stride(), case.storage_offset())
             assert t.untyped_storage().nbytes() == slow.untyped_storage().nbytes() == case.untyped_storage().nbytes()
 
-    data, _ = pickled(torch.nn.Parameter(torch.randn(2, 2)))
-    with pytest.raises(pickle.UnpicklingError, match="_rebuild_parameter is not read here"):
-        _archive._TensorUnpickler(data).load()
-    tensor, _ = _archive.meta_tensor(data)  # torch's unpickler reads it
-    assert tensor.shape == (2, 2) and tensor.device.type == "meta"
+    data, _ = pickled(torch.randn(2, dtype=torch.complex64).conj())  # a conjugate bit: tensor metadata
+    with pytest.raises(pickle.UnpicklingError, match="not a plain tensor"):
+        _unpickle._MetaUnpickler(data).load()
+    tensor, _ = _unpickle.meta_tensor(data)  # torch's unpickler reads it
+    assert tensor.shape == (2,) and tensor.device.type == "meta" and tensor.is_conj()
 
     class Boom:
         def __reduce__(self):
@@ -775,7 +776,78 @@ def test_an_items_tensor_is_read_from_its_pickle_as_torchs_weights_only_unpickle
                  # a storage class called directly: a storage that is not the pickle's to make
                  b"\x80\x02ctorch\nFloatStorage\nJ\x00\x00\x00\x10\x85R."):
         with pytest.raises((pickle.UnpicklingError, TypeError)):
-            _archive.meta_tensor(evil)
+            _unpickle.meta_tensor(evil)
     assert not (tmp_path / "ran").exists()
-    with pytest.raises(_archive.NotOneTensor):
-        _archive.meta_tensor(pickled({"a": torch.ones(1)})[0])
+    with pytest.raises(_unpickle.NotOneTensor):
+        _unpickle.meta_tensor(pickled({"a": torch.ones(1)})[0])
+
+
+def _alike(a, b) -> bool:
+    """Equal values of the same types, tensors with the same dtype, layout and storage offset."""
+    if isinstance(a, torch.Tensor):
+        return (type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+                and a.storage_offset() == b.storage_offset() and a.requires_grad == b.requires_grad
+                and a.untyped_storage().nbytes() == b.untyped_storage().nbytes() and torch.equal(a, b))
+    if isinstance(a, dict):
+        return type(a) is type(b) and list(a) == list(b) and all(_alike(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_alike(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+def test_a_state_file_of_plain_state_is_parsed_by_the_c_unpickler_as_torch_load_reads_it(tmp_path, monkeypatch):
+    """A state file's pickle of plain state (containers, numbers, bytes, sets, dtypes, devices,
+    sizes, tensors of every layout, a Parameter, views sharing a storage, ~1,500 tensors whose
+    zip directory is longer than the end read first) is read by the C unpickler, and gives
+    what ``torch.load(weights_only=True)`` gives, type for type; a state it does not read (a
+    sparse tensor) is read by torch's unpickler instead, with the same result."""
+    import collections
+    import zipfile
+
+    base = torch.randn(6, 5)
+    plain = {
+        "t": torch.randn(3, 4), "bf16": torch.randn(2, 3).to(torch.bfloat16), "scalar": torch.tensor(7),
+        "empty": torch.zeros(0, 3), "t_view": base.t(), "slice": base[2:, 1:4], "base": base,
+        "bool": torch.ones(4, dtype=torch.bool), "param": torch.nn.Parameter(torch.randn(2, 2)),
+        "grad": torch.randn(3).requires_grad_(), "ordered": collections.OrderedDict(a=1, b=[2.5, None]),
+        "bytes": b"\x00\xffraw", "set": {1, 2}, "dtype": torch.float16,
+        "device": torch.device("cpu"), "size": torch.Size([2, 3]), "tuple": (1, "x", True, None, 2.5),
+        "many": [torch.full((3,), float(i)) for i in range(1500)],
+    }
+    from torch import _weights_only_unpickler
+
+    allowed = _weights_only_unpickler._get_allowed_globals()  # what torch.load(weights_only=True) reads
+    assert all(f"{module}.{name}" in allowed for module, name in _unpickle._PLAIN_GLOBALS if not name.endswith("Storage"))
+    used = []
+    parse_plain = _single._parse_plain
+
+    def spy(*args):
+        try:
+            out = parse_plain(*args)
+        except Exception as exc:
+            used.append(type(exc).__name__)
+            raise
+        used.append("plain")
+        return out
+
+    monkeypatch.setattr(_single, "_parse_plain", spy)
+    for obj, how in ((plain, "plain"),
+                     ({"sparse": torch.eye(3).to_sparse(), "t": torch.arange(4)}, "UnpicklingError")):
+        (tmp_path / "s.pt").unlink(missing_ok=True)
+        entry = write_state_file(tmp_path, "s.pt", {"format": _single.FILE_FORMAT, "state": obj})
+        want = torch.load(tmp_path / "s.pt", weights_only=True)["state"]
+        with zipfile.ZipFile(tmp_path / "s.pt") as z:
+            assert how != "plain" or len(z.infolist()) > 1500
+        for into in (False, True):
+            used.clear()
+            if into:
+                got = _single.read_state_into(tmp_path, "s.pt", entry, lambda payload: {})["state"]
+            else:
+                got = read_state_file(tmp_path, "s.pt", entry)["state"]
+            assert used == [how]
+            if how == "plain":
+                assert _alike(got, want)
+                if not into:  # views of one read buffer, sharing the storage of their record
+                    assert got["slice"].untyped_storage().data_ptr() == got["base"].untyped_storage().data_ptr()
+            else:
+                assert torch.equal(got["sparse"].to_dense(), torch.eye(3)) and torch.equal(got["t"], torch.arange(4))

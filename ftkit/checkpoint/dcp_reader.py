@@ -47,7 +47,7 @@ from torch.futures import Future
 
 from ..errors import CheckpointError
 from .format.layout import DCP_DIR
-from .io.archive import NotOneTensor, archives_records, meta_tensor
+from .io.archive import archives_records
 from .io.device import DeviceCopies, load_copies
 from .io.reader import (
     CHUNK,
@@ -61,6 +61,7 @@ from .io.reader import (
     scatter_file,
 )
 from .io.statefile import destination, placeable
+from .io.unpickle import NotOneTensor, meta_tensor
 
 __all__ = ["CorruptFile", "StreamingReader", "corrupt_file_in"]
 

@@ -6,27 +6,18 @@ directory (at its end) names its records and their local headers, and each local
 where its record's data begins. :func:`archives_records` reads that for any number of archives
 in a few rounds of small reads (:class:`ftkit.checkpoint.io.reader.Fetch`), and parses the
 directories of the plain kind ``torch.save`` writes directly (``struct``); :mod:`zipfile` reads
-any other kind, through :class:`Fetching`. :func:`meta_tensor` reads the tensor an item's
-pickle holds, without its bytes.
+any other kind, through :class:`Fetching`.
 """
 
 from __future__ import annotations
 
-import collections
-import io
-import pickle
 import struct
-import warnings
 import zipfile
 from collections.abc import Callable, Sequence
-from typing import Any
-
-import torch
-from torch.serialization import _weights_only_unpickler
 
 from .reader import Fetch, FileProblem
 
-__all__ = ["TAIL", "Fetching", "NotOneTensor", "archive_records", "archives_records", "meta_tensor"]
+__all__ = ["TAIL", "Fetching", "archive_records", "archives_records"]
 
 
 class Fetching:
@@ -100,6 +91,19 @@ def _directory(view: memoryview, start: int, end: int, read: int) -> list[tuple[
     return out
 
 
+def _directory_start(view: memoryview, start: int, end: int, read: int) -> int | None:
+    """Where in the file the directory of the archive at ``[start, end)`` begins, from its end
+    record in the last ``read`` bytes (``view`` holds them); None where it is not found."""
+    tail = bytes(view[max(start, end - read) : end])
+    at = tail.rfind(b"PK\x05\x06", 0, max(0, len(tail) - _EOCD.size + 4))
+    if at < 0:
+        return None
+    cd_size, cd_offset = _EOCD.unpack_from(tail, at)[5:7]
+    if _ZIP64 in (cd_size, cd_offset) or not 0 <= cd_offset < end - start:
+        return None
+    return start + cd_offset
+
+
 def archives_records(view: memoryview, fetch: Fetch, spans: list[tuple[int, int]], *, tail: int = TAIL,
                      extra: Sequence[tuple[int, int]] = ()) -> list[dict[str, tuple[int, int]]]:
     """For the zip archive at each ``[start, end)`` of the file, every record: name -> (offset
@@ -118,6 +122,10 @@ def archives_records(view: memoryview, fetch: Fetch, spans: list[tuple[int, int]
     directories: list[list[tuple[str, int, int, int]]] = []
     for start, end in spans:
         entries = _directory(view, start, end, tail)
+        whole = _directory_start(view, start, end, tail) if entries is None else None
+        if whole is not None:  # a directory longer than the end read first: the rest of it
+            fetch(whole, end)
+            entries = _directory(view, start, end, end - whole)
         if entries is None:
             with zipfile.ZipFile(Fetching(view, fetch, start, end)) as archive:  # type: ignore[arg-type]
                 entries = [(i.filename, i.header_offset, i.file_size, i.compress_type) for i in archive.infolist()]
@@ -145,106 +153,3 @@ def archive_records(view: memoryview, fetch: Fetch, start: int = 0,
                     end: int | None = None) -> dict[str, tuple[int, int]]:
     """:func:`archives_records` of the one archive at ``[start, end)`` of the file."""
     return archives_records(view, fetch, [(start, view.nbytes if end is None else end)])[0]
-
-
-class NotOneTensor(Exception):
-    """An archive's pickle is not one tensor of one storage."""
-
-
-class _StorageType:
-    """What a pickled storage class (``torch.FloatStorage``, ...) stands for here: its dtype
-    only, so that nothing in a pickle can make a storage of its own."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-
-
-def _storage_types() -> dict[str, _StorageType]:
-    with warnings.catch_warnings():  # the legacy storage classes warn on use
-        warnings.simplefilter("ignore")
-        found = {name: _StorageType(getattr(torch, name).dtype) for name in dir(torch)
-                 if name.endswith("Storage") and not name.startswith(("Q", "Typed", "Untyped"))
-                 and isinstance(getattr(getattr(torch, name), "dtype", None), torch.dtype)}
-    return {**found, "UntypedStorage": _StorageType(torch.uint8)}
-
-
-_STORAGE_TYPES = _storage_types()
-
-
-class _Stored:
-    """A pickled tensor's storage as the fast path reads it: dtype, element count, record key."""
-
-    __slots__ = ("dtype", "key", "numel")
-
-    def __init__(self, dtype: torch.dtype, key: str, numel: int) -> None:
-        self.dtype, self.key, self.numel = dtype, key, numel
-
-
-def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any,
-                    metadata: Any = None) -> torch.Tensor:
-    """``torch._utils._rebuild_tensor_v2`` of a plain tensor, on the ``meta`` device; anything
-    else is not this fast path's to read."""
-    if not (isinstance(storage, _Stored) and type(offset) is int and isinstance(size, tuple)
-            and isinstance(stride, tuple) and len(size) == len(stride)
-            and all(type(n) is int for n in (*size, *stride)) and isinstance(requires_grad, bool)
-            and not hooks and metadata is None):
-        raise pickle.UnpicklingError("not a plain tensor")
-    return torch.empty(storage.numel, dtype=storage.dtype, device="meta").as_strided(size, stride, offset)
-
-
-class _TensorUnpickler(pickle.Unpickler):
-    """The C unpickler, for the pickle ``torch.save`` writes of one plain tensor: its few
-    globals stand for what they name (storage classes only as dtypes), any other global is
-    refused; anything refused is read by torch's ``weights_only`` unpickler instead."""
-
-    def __init__(self, data: bytes) -> None:
-        super().__init__(io.BytesIO(data), encoding="utf-8")
-        self.stored: list[_Stored] = []
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild_tensor
-        if module == "collections" and name == "OrderedDict":
-            return collections.OrderedDict
-        if module == "torch" and name in _STORAGE_TYPES:
-            return _STORAGE_TYPES[name]
-        raise pickle.UnpicklingError(f"{module}.{name} is not read here")
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                and isinstance(pid[1], _StorageType) and type(pid[4]) is int and pid[4] >= 0):
-            raise pickle.UnpicklingError("not a storage of a plain tensor")
-        self.stored.append(_Stored(pid[1].dtype, str(pid[2]), pid[4]))
-        return self.stored[-1]
-
-
-def meta_tensor(pickle_bytes: bytes) -> tuple[torch.Tensor, str]:
-    """The tensor an archive's pickle holds, its storage on the ``meta`` device (dtype,
-    shape, strides and offset, none of its bytes), and its storage key (the record that holds
-    the bytes). A plain tensor's pickle is read by the C unpickler, about ten times faster than
-    torch's ``weights_only`` one, which reads any other; :class:`NotOneTensor` if it is not one
-    tensor of one storage."""
-    fast = _TensorUnpickler(pickle_bytes)
-    try:
-        tensor = fast.load()
-        keys = [stored.key for stored in fast.stored]
-    except Exception:  # not the plain kind: torch's own safe unpickler, from the start
-        tensor, keys = _weights_only(pickle_bytes)
-    if not isinstance(tensor, torch.Tensor) or len(keys) != 1:
-        raise NotOneTensor("an item that is not one tensor of one storage")
-    return tensor, keys[0]
-
-
-def _weights_only(pickle_bytes: bytes) -> tuple[Any, list[str]]:
-    keys: list[str] = []
-
-    def persistent_load(pid: Any) -> Any:
-        _, storage_type, key, _location, numel = pid
-        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-        keys.append(str(key))
-        storage = torch.UntypedStorage(numel * torch.empty((), dtype=dtype).element_size(), device="meta")
-        return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
-
-    unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(pickle_bytes), encoding="utf-8")
-    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
-    return unpickler.load(), keys

@@ -23,10 +23,13 @@ entry points, the buffer is parsed by plain ``torch.load`` (same result, each te
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import inspect
 import logging
 import pickle
+import sys
+import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -39,6 +42,7 @@ from .device import DeviceCopies, load_copies
 from .direct import BLOCK, address
 from .files import CHECKSUM, HashingWriter
 from .reader import CHUNK, STAGING, Destination, Fetch, FileProblem, Target, read_file, scatter_file
+from .unpickle import PlainUnpickler, Storage
 
 __all__ = ["FILE_FORMAT", "parse_state_file", "read_state_bytes", "read_state_file", "read_state_into",
            "write_state_file"]
@@ -207,13 +211,56 @@ class _MemoryFile:
         return data
 
 
-def _parse(view: memoryview, mapping: Any) -> Any:
+class _StateUnpickler(PlainUnpickler):
+    """The pickle of a state file whose bytes are in ``view`` (one ``storage`` over them, the
+    archive's ``records``): each tensor a view of its record's bytes, as ``torch.load``
+    makes it from the storage it is given (``mmap=True``), the tensors of one record on one
+    storage."""
+
+    def __init__(self, view: memoryview, storage: torch.UntypedStorage, records: Mapping[str, tuple[int, int]],
+                 prefix: str) -> None:
+        a, n = records[f"{prefix}data.pkl"]
+        super().__init__(bytes(view[a : a + n]))
+        self._storage, self._records, self._prefix = storage, records, prefix
+        self._held: dict[str, torch.UntypedStorage] = {}
+
+    def storage(self, dtype: torch.dtype, key: str, numel: int) -> Any:
+        held = self._held.get(key)
+        if held is None:
+            record = self._records.get(f"{self._prefix}data/{key}")
+            nbytes = numel * dtype.itemsize
+            if record is None or record[1] < nbytes:
+                raise pickle.UnpicklingError(f"storage {key}: no record of {nbytes} bytes")
+            held = self._held[key] = self._storage[record[0] : record[0] + nbytes]
+        return Storage(dtype, key, numel, held)
+
+    def tensor(self, storage: Any, offset: int, size: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+        return torch.empty((0,), dtype=storage.dtype).set_(storage.held, offset, size, stride)
+
+
+def _parse_plain(view: memoryview, storage: torch.UntypedStorage, records: Mapping[str, tuple[int, int]]) -> Any:
+    """``torch.load``'s payload of a state file of plain state (:class:`_StateUnpickler`);
+    raises where it is not plain, or its byte order is not this machine's."""
+    prefix = next(name[: -len("data.pkl")] for name in records if name.endswith("/data.pkl") and name.count("/") == 1)
+    order = records.get(f"{prefix}byteorder")
+    if (bytes(view[order[0] : order[0] + order[1]]) if order else b"little") != sys.byteorder.encode():
+        raise pickle.UnpicklingError("stored in the other byte order")
+    return _StateUnpickler(view, storage, records, prefix).load()
+
+
+def _parse(view: memoryview, mapping: Any, records: Mapping[str, tuple[int, int]] | None = None) -> Any:
     """``torch.load(weights_only=True)`` of the archive in ``view``; tensors are views of it."""
     ser = torch.serialization
     if not _PARSE_IN_PLACE:  # same result; each storage copied out of the buffer
         return torch.load(_MemoryFile(view), map_location="cpu", weights_only=True)  # type: ignore[arg-type]
     # the storage keeps `mapping` alive as long as any tensor viewing it
     storage = torch.frombuffer(mapping, dtype=torch.uint8, count=view.nbytes).untyped_storage()
+    if records is None:
+        with contextlib.suppress(FileProblem, zipfile.BadZipFile):
+            records = archive_records(view, _Read())  # type: ignore[arg-type]
+    if records:  # plain state through the C unpickler; any other, from the start, through torch's
+        with contextlib.suppress(Exception):
+            return _parse_plain(view, storage, records)
     reader = torch._C.PyTorchFileReader(_MemoryFile(view))  # type: ignore[call-overload]
     try:
         return ser._load(reader, "cpu", ser._weights_only_unpickler, overall_storage=storage,
@@ -269,11 +316,28 @@ def parse_state_file(path: Path, read: tuple[Any, memoryview]) -> dict[str, Any]
     return payload
 
 
-def _fetch_all_but_storages(view: memoryview, fetch: Fetch) -> None:
+def _fetch_all_but_storages(view: memoryview, fetch: Fetch) -> dict[str, tuple[int, int]]:
     """Read everything torch's parser looks at into ``view``: the zip directory, every local
-    header, every record but the tensor storages (``*/data/<key>``), which stay unread."""
-    fetch.many([(start, start + size) for name, (start, size) in archive_records(view, fetch).items()
+    header, every record but the tensor storages (``*/data/<key>``), which stay unread. The
+    archive's records (name -> (offset, size))."""
+    records = archive_records(view, fetch)
+    fetch.many([(start, start + size) for name, (start, size) in records.items()
                 if "/data/" not in name or name.endswith(".pkl")])
+    return records
+
+
+class _Read:
+    """What :func:`ftkit.checkpoint.io.archive.archive_records` reads through, for a buffer
+    that holds the whole file: there is nothing left to read."""
+
+    def __call__(self, start: int, end: int) -> None:
+        pass
+
+    def many(self, ranges: Any) -> None:
+        pass
+
+    def covered(self, start: int, end: int) -> bool:
+        return True
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -284,6 +348,15 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors(v)]
     return []
+
+
+def _fresh(saved: torch.Tensor) -> torch.Tensor:
+    """Memory of its own for a payload tensor, of its kind: a Parameter stays one, and a
+    tensor that requires grad still does, as ``torch.load`` gives them."""
+    fresh = torch.empty(saved.shape, dtype=saved.dtype)
+    if isinstance(saved, torch.nn.Parameter):
+        return torch.nn.Parameter(fresh, requires_grad=saved.requires_grad)
+    return fresh.requires_grad_() if saved.requires_grad else fresh
 
 
 def _substitute(value: Any, swap: Mapping[int, torch.Tensor]) -> Any:
@@ -299,7 +372,9 @@ def _substitute(value: Any, swap: Mapping[int, torch.Tensor]) -> Any:
     elif isinstance(value, list):
         value[:] = [_substitute(v, swap) for v in value]
     elif isinstance(value, tuple):
-        return tuple(_substitute(v, swap) for v in value)
+        new = [_substitute(v, swap) for v in value]
+        if any(a is not b for a, b in zip(new, value, strict=True)):  # else as it is (a torch.Size)
+            return tuple(new)
     return value
 
 
@@ -350,9 +425,9 @@ def read_state_into(
     holder: dict[str, Any] = {}
 
     def plan(mapping: Any, view: memoryview, fetch: Fetch) -> list[Target]:
-        _fetch_all_but_storages(view, fetch)
+        records = _fetch_all_but_storages(view, fetch)
         fetch.done()
-        payload = holder["payload"] = _parse(view, mapping)
+        payload = holder["payload"] = _parse(view, mapping, records)
         if not isinstance(payload, dict) or payload.get("format") != FILE_FORMAT:
             raise FileProblem(f"{name} is not an {FILE_FORMAT} file")
         base = address(view)
@@ -363,13 +438,13 @@ def read_state_into(
             if base is None or not saved.is_contiguous():
                 continue
             if saved.numel() == 0:
-                swap[id(saved)] = torch.empty(saved.shape, dtype=saved.dtype)
+                swap[id(saved)] = _fresh(saved)
                 continue
             live = wanted.get(id(saved))
             if (live is None or not placeable(live, copies) or saved.shape != live.shape
                     or saved.dtype != live.dtype or not live.is_contiguous()):
                 # no live tensor takes it: memory of its own (the load keeps it), not the buffer
-                live = torch.empty(saved.shape, dtype=saved.dtype)
+                live = _fresh(saved)
             start = saved.data_ptr() - base
             aims.append((start, start + saved.numel() * saved.element_size(), id(saved), live))
         aims.sort(key=lambda a: a[0])
