@@ -5,6 +5,7 @@ arguments, never process-wide flags) <- ``files`` (fsync, atomic replace, the ch
 writer) <- ``reader`` (one pass per file, checksummed as it arrives; ``aio``, Linux native
 asynchronous reads, keeps them in flight from one thread; ``device``, the copies of the pieces
 onto a GPU as they arrive) <- ``statefile`` (one rank's flat state as a ``torch.save`` archive,
-written and read through the above). Nothing here knows
+written and read through the above; ``archive`` finds its records, ``unpickle`` reads its
+pickle, and each DCP item's, with the C unpickler where the state is plain). Nothing here knows
 about step directories (that is ``format``) or about training state (that is ``state``).
 """
