@@ -259,8 +259,10 @@ def _parse(view: memoryview, mapping: Any, records: Mapping[str, tuple[int, int]
         with contextlib.suppress(FileProblem, zipfile.BadZipFile):
             records = archive_records(view, _Read())  # type: ignore[arg-type]
     if records:  # plain state through the C unpickler; any other, from the start, through torch's
-        with contextlib.suppress(Exception):
+        try:
             return _parse_plain(view, storage, records)
+        except Exception as exc:  # torch's parser reads it, or says what is wrong with it
+            log.debug("state file parsed by torch's weights_only unpickler: %s", exc)
     reader = torch._C.PyTorchFileReader(_MemoryFile(view))  # type: ignore[call-overload]
     try:
         return ser._load(reader, "cpu", ser._weights_only_unpickler, overall_storage=storage,

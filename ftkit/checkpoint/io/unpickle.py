@@ -19,6 +19,7 @@ from __future__ import annotations
 import codecs
 import collections
 import io
+import logging
 import pickle
 import warnings
 from typing import Any
@@ -27,6 +28,8 @@ import torch
 from torch.serialization import _weights_only_unpickler
 
 __all__ = ["NotOneTensor", "PlainUnpickler", "Storage", "meta_tensor"]
+
+log = logging.getLogger(__name__)
 
 
 class NotOneTensor(Exception):
@@ -144,7 +147,8 @@ def meta_tensor(pickle_bytes: bytes) -> tuple[torch.Tensor, str]:
     fast = _MetaUnpickler(pickle_bytes)
     try:
         tensor, keys = fast.load(), fast.keys
-    except Exception:  # not the plain kind: torch's own safe unpickler, from the start
+    except Exception as exc:  # not the plain kind: torch's own safe unpickler, from the start
+        log.debug("item read by torch's weights_only unpickler: %s", exc)
         tensor, keys = _weights_only(pickle_bytes)
     if not isinstance(tensor, torch.Tensor) or len(keys) != 1:
         raise NotOneTensor("an item that is not one tensor of one storage")
