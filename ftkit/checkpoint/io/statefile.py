@@ -10,13 +10,15 @@ is written with plain ``torch.save`` (same format, zip CRCs filled in, slower). 
 filesystem accepts it the file is written with ``O_DIRECT`` (:mod:`ftkit.checkpoint.io.direct`), its tensor
 records aligned to 4096 bytes instead of torch's 64.
 
-Reading never unpickles arbitrary objects: weights_only only. The file is read once, at the
-device's sequential speed (:mod:`ftkit.checkpoint.io.reader`: ``O_DIRECT`` into fresh page-aligned memory, several
-large reads in flight), with its CRC-32 compared with the manifest as the bytes arrive
-(``verify=True``), and only then parsed, in place: torch's own loader (``state.keys``, given the
-bytes as the one storage ``torch.load(mmap=True)`` would give it) makes the tensors views of
-the bytes read, so they are neither copied out of the file nor out of the buffer; a flipped
-byte is never parsed. The caller copies out what it keeps
+Reading never unpickles arbitrary objects: only what ``weights_only`` allows. The file is read
+once, at the device's sequential speed (:mod:`ftkit.checkpoint.io.reader`: ``O_DIRECT`` into fresh
+page-aligned memory, several large reads in flight), with its CRC-32 compared with the manifest
+as the bytes arrive (``verify=True``), and only then parsed, in place: the tensors are views of
+the bytes read (one storage per record, as a memory-mapped load makes them), so they are
+neither copied out of the file nor out of the buffer; a flipped byte is never parsed. Plain
+state is unpickled by the C unpickler (:class:`ftkit.checkpoint.io.unpickle.PlainUnpickler`,
+globals that ``weights_only`` allows too), any other by torch's own loader with its
+``weights_only`` unpickler, given the bytes as the archive's one storage. The caller copies out what it keeps
 (:func:`ftkit.checkpoint.state.restore.own_tensors`). Should a torch release change those private
 entry points, the buffer is parsed by plain ``torch.load`` (same result, each tensor copied).
 """
