@@ -303,8 +303,12 @@ def hostnames(nodelist: str) -> list[str]:
 
 
 def node_state(node: str) -> str:
-    """``sinfo``'s state of one node, e.g. ``idle``, ``allocated``, ``down*``."""
-    return _run(["sinfo", "-h", "-N", "-n", node, "-o", "%T"]).stdout.split("\n")[0].strip()
+    """slurmctld's state of one node, lower case: ``idle``, ``mixed``, ``down+not_responding``.
+
+    From ``scontrol show node``, not ``sinfo``: right after slurmctld sets a dead node DOWN and
+    requeues its job, ``sinfo`` still shows it ``mixed*`` for about half a second."""
+    fields = _parse_oneliner(_run(["scontrol", "show", "node", "-o", node]).stdout)
+    return fields.get("State", "").lower()
 
 
 def _cluster_script(*args: str, timeout: float = 120) -> str:
