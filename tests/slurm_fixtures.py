@@ -463,13 +463,25 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's loadgroup reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests that use the cluster ``slurm`` and run them first, as one group.
+
+    Under pytest-xdist (``--dist loadgroup``, pyproject's addopts) the group runs on one worker,
+    one test at a time, as without xdist: the tests share the cluster's nodes (a preemption test
+    fills a node, a node-death test kills one), so two of them at once would disturb each other.
+    First, because the group is the longest piece of work: the other worker runs everything else
+    meanwhile, mostly while the SLURM tests wait on SLURM.
+    """
     for item in items:
         names = getattr(item, "fixturenames", ())
         if ({"slurm_cluster", "slurm_jobs", "slurm_multinode"} & set(names)) and item.get_closest_marker(
             "slurm"
         ) is None:
             item.add_marker(pytest.mark.slurm)
+        if item.get_closest_marker("slurm") is not None:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+    items.sort(key=lambda item: item.get_closest_marker("slurm") is None)  # stable: order kept within
 
 
 @pytest.fixture(scope="session")
