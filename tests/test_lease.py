@@ -81,11 +81,12 @@ def snapshot(jobdir: Path) -> dict[str, tuple[int, int] | None]:
     """Every path in the job dir but the events log and the lease record: (size, mtime_ns).
 
     The holder's hang-watchdog heartbeats (``heartbeats/rank*.json``) are rewritten every few
-    seconds by the holder itself, so only their presence counts: another run must neither
-    create nor delete them (a slow machine can take longer than one beat between snapshots)."""
+    seconds by the holder itself (each a rename into ``heartbeats/``, which changes that
+    directory's mtime too), so only their presence counts: another run must neither create nor
+    delete them (a slow machine can take longer than one beat between snapshots)."""
     skip = {"events.jsonl", "lease.json"}
     beats = jobdir / "heartbeats"
-    return {str(p.relative_to(jobdir)): None if p.parent == beats else (p.lstat().st_size, p.lstat().st_mtime_ns)
+    return {str(p.relative_to(jobdir)): None if beats in (p, p.parent) else (p.lstat().st_size, p.lstat().st_mtime_ns)
             for p in sorted(jobdir.rglob("*")) if p.name not in skip}
 
 
