@@ -251,7 +251,10 @@ def _train_step(state, batch) -> float:
 
 
 def _write(out: str, rank: int, report: dict) -> None:
-    Path(f"{out}.rank{rank}.json").write_text(json.dumps(report))
+    """Rank ``rank``'s report, whole once it exists (tests wait for it to appear, then read it)."""
+    path = Path(f"{out}.rank{rank}.json")
+    path.with_name(path.name + ".tmp").write_text(json.dumps(report))
+    path.with_name(path.name + ".tmp").replace(path)
 
 
 def _patch_write(rank_file_step: str, action) -> None:

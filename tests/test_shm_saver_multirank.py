@@ -43,6 +43,12 @@ def _report(out: Path, rank: int) -> dict:
     return report(out, rank)
 
 
+def _write(out: str, rank: int, report: dict) -> None:
+    from tests.test_async_multirank import _write as write
+
+    write(out, rank, report)
+
+
 def _kill(proc: subprocess.Popen) -> str:
     if proc.poll() is None:
         os.kill(proc.pid, signal.SIGKILL)
@@ -355,7 +361,7 @@ def snap_main(a) -> None:
         "saver_children": _saver_children(),
         "valid_at_report": validate_dir(Path(a.root) / "step-00000003").valid,
     }
-    Path(f"{a.out}.rank{rank}.json").write_text(json.dumps(report))
+    _write(a.out, rank, report)
     time.sleep(300)
 
 
@@ -412,7 +418,7 @@ def nodes_main(a) -> None:
     state["ballast"].fill_(200 + rank)
     assert mgr.on_step(2, state)  # a memory snapshot, never asked to persist
     report = {"saver": mgr._backend.saver_pid, "pid": os.getpid(), "saver_children": _saver_children()}
-    Path(f"{a.out}.rank{rank}.json").write_text(json.dumps(report))
+    _write(a.out, rank, report)
     time.sleep(300)
 
 
