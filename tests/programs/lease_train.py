@@ -56,7 +56,9 @@ def main() -> int:
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             if step == args.hold_at:
-                (args.control / f"holding-rank{rank}").write_text(str(os.getpid()))
+                holding = args.control / f"holding-rank{rank}"  # whole once it exists: written beside
+                holding.with_name(holding.name + ".tmp").write_text(str(os.getpid()))
+                holding.with_name(holding.name + ".tmp").replace(holding)
                 deadline = time.monotonic() + 300
                 while not (args.control / "release").exists():
                     if time.monotonic() > deadline:
