@@ -9,6 +9,8 @@ import errno
 import logging
 import os
 import re
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -41,7 +43,8 @@ def atomic_write(
     sync: bool = True,
     sync_dir: bool = True,
     mode: int = 0o644,
-) -> Path:
+    replace_within: Callable[[], AbstractContextManager[bool]] | None = None,
+) -> bool:
     """Write ``data`` so ``path`` appears complete or not at all: a temporary sibling
     ``.NAME.tmp-PID``, fsync, ``os.replace`` over ``path``, fsync of the directory.
 
@@ -51,7 +54,12 @@ def atomic_write(
     temporary file is removed and the error raised; ``path`` is left as it was. ``sync=False``
     skips both fsyncs (throwaway runs); ``sync_dir=False`` leaves the directory's fsync to a
     caller that changes more entries there first and then fsyncs them all at once. ``mode``
-    (before the umask) is the new file's."""
+    (before the umask) is the new file's.
+
+    ``replace_within``: a context entered once the data is durable in the temporary file; the
+    replace happens inside it, and only if it yields True (else the temporary file is removed,
+    ``path`` is left as it was and the result is False). It is how a writer checks "is this
+    still mine to write?" under a lock held only for the check and the rename, not the write."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -61,14 +69,19 @@ def atomic_write(
             f.flush()
             if sync:
                 os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with replace_within() if replace_within is not None else contextlib.nullcontext(True) as go:
+            if go:
+                os.replace(tmp, path)
+        if not go:
+            os.unlink(tmp)
+            return False
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     if sync and sync_dir:
         fsync_dir(path.parent)
-    return path
+    return True
 
 
 class Mount(NamedTuple):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -55,3 +56,25 @@ def test_fsync_dir_raises_for_a_missing_directory(tmp_path):
     an error: the entry just renamed there is not known to be durable."""
     with pytest.raises(FileNotFoundError):
         _fs.fsync_dir(tmp_path / "gone")
+
+
+def test_replace_within_renames_inside_the_context_and_only_when_it_says_so(tmp_path):
+    """The data is durable in the temporary before the context is entered; the rename happens
+    inside it (the lease heartbeat holds its lock there), and a context that yields False leaves
+    the target as it was and no temporary behind."""
+    target = tmp_path / "lease.json"
+    _fs.atomic_write(target, b"theirs\n")
+    seen = []
+
+    @contextlib.contextmanager
+    def gate(answer: bool):
+        tmp = tmp_path / f".lease.json.tmp-{os.getpid()}"
+        seen.append((tmp.read_bytes(), target.read_bytes()))  # ours staged, theirs still in place
+        yield answer
+        seen.append(target.read_bytes())
+
+    assert _fs.atomic_write(target, b"ours\n", replace_within=lambda: gate(False)) is False
+    assert target.read_bytes() == b"theirs\n" and sorted(os.listdir(tmp_path)) == ["lease.json"]
+    assert _fs.atomic_write(target, b"ours\n", replace_within=lambda: gate(True)) is True
+    assert target.read_bytes() == b"ours\n" and sorted(os.listdir(tmp_path)) == ["lease.json"]
+    assert seen == [(b"ours\n", b"theirs\n"), b"theirs\n", (b"ours\n", b"theirs\n"), b"ours\n"]

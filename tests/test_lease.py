@@ -334,18 +334,34 @@ def test_record_roundtrip_and_garbage(tmp_path: Path) -> None:
     assert LeaseRecord.read(tmp_path / "lease.json") is None
 
 
+def stopped(pid: int) -> bool:
+    """The process is stopped (state ``T`` in ``/proc/PID/stat``)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2] == "T"
+
+
 @needs_unshare
-def test_a_holder_cut_off_past_the_stale_time_loses_the_lease_and_stops_without_saving(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["anywhere", "in-its-heartbeat-write"])
+def test_a_holder_cut_off_past_the_stale_time_loses_the_lease_and_stops_without_saving(tmp_path: Path,
+                                                                                       where: str) -> None:
     """SIGSTOP stands for a node cut off from the file server: alive, lock still held, no
     heartbeat. The next run breaks the lock (a new lease.lock) and trains; once the old holder
-    runs again it finds the lease gone and exits at its next check without saving."""
+    runs again it finds the lease gone and exits at its next check without saving.
+
+    ``in-its-heartbeat-write``: the holder is stopped just as its heartbeat begins to write
+    ``lease.json`` (the write, with its fsync, is where a heartbeat spends its time). Resumed
+    after the next run has come and gone, it must not put its own record back over that run's."""
     jobdir, control = tmp_path / "job", tmp_path / "ctl"
-    (first,) = launch(jobdir, control, "--hold-at", "5", "--heartbeat", "0.2", "--stale-after", "1",
+    stop_inside = ("--stop-in-heartbeat-write",) if where == "in-its-heartbeat-write" else ()
+    (first,) = launch(jobdir, control, "--hold-at", "5", "--heartbeat", "0.2", "--stale-after", "1", *stop_inside,
                       host="other-node", SLURM_JOB_ID="100")
     try:
         (pid,) = holding(control)
         old_lock = (jobdir / "lease.lock").stat().st_ino
-        first.send_signal(signal.SIGSTOP)
+        if stop_inside:
+            wait_for(lambda: (control / "stopping").exists() and stopped(pid), 30, what="the holder stopping itself")
+        else:
+            first.send_signal(signal.SIGSTOP)
         wait_for(lambda: lease_status(jobdir)["state"] == "stale", 30, what="the stopped holder going stale")
         ((rc, err),) = finish(launch(jobdir, tmp_path / "ctl2", "--heartbeat", "0.2", "--stale-after", "1",
                                      SLURM_JOB_ID="200"))
@@ -370,5 +386,47 @@ def test_a_holder_cut_off_past_the_stale_time_loses_the_lease_and_stops_without_
     (exit_event,) = [e for e in events(jobdir, "exit") if e["pid"] == pid]
     assert exit_event["requeue"] is False and "lost the lease" in exit_event["reasons"][0]
     assert {e["step"] for e in events(jobdir, "save")} == saved_by_second  # the old holder saved nothing more
+    assert_all_checkpoints_valid(jobdir)
+    assert lease_status(jobdir)["state"] == "released" and lease_status(jobdir)["job_id"] == "200"
+
+
+@needs_unshare
+def test_a_holder_resumed_mid_heartbeat_while_the_next_run_holds_stops_and_leaves_that_run_alone(
+        tmp_path: Path) -> None:
+    """The cut-off holder comes back (SIGCONT) in the middle of its heartbeat write while the run
+    that took over is still training: it must stop without saving and without touching
+    ``lease.json``, and the new holder must keep its lease and finish. A late write of the old
+    record would make the new holder read someone else's lease and stop too: both runs lost."""
+    jobdir, control, control2 = tmp_path / "job", tmp_path / "ctl", tmp_path / "ctl2"
+    (first,) = launch(jobdir, control, "--hold-at", "5", "--heartbeat", "0.2", "--stale-after", "1",
+                      "--stop-in-heartbeat-write", host="other-node", SLURM_JOB_ID="100")
+    second: list[subprocess.Popen] = []
+    try:
+        (pid,) = holding(control)
+        wait_for(lambda: (control / "stopping").exists() and stopped(pid), 30, what="the holder stopping itself")
+        wait_for(lambda: lease_status(jobdir)["state"] == "stale", 30, what="the stopped holder going stale")
+        second = launch(jobdir, control2, "--hold-at", "7", "--heartbeat", "0.2", "--stale-after", "1",
+                        SLURM_JOB_ID="200")
+        (pid2,) = holding(control2)
+        first.send_signal(signal.SIGCONT)
+        (lost,) = wait_for(lambda: events(jobdir, "lease-lost"), 60, what="lease-lost from the old holder")
+        assert lost["pid"] == pid
+        (control / "release").touch()
+        ((rc, err),) = finish([first])
+        assert rc == 0, err
+        time.sleep(1.0)  # five of the new holder's heartbeats, each reading lease.json
+        status = lease_status(jobdir)
+        assert status["state"] == "held" and status["job_id"] == "200" and status["pid"] == pid2
+        (control2 / "release").touch()
+        ((rc2, err2),) = finish(second)
+    finally:
+        for p, ctl in ((first, control), *((p, control2) for p in second)):
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                (ctl / "release").touch()
+                finish([p])
+    assert rc2 == 0, err2
+    assert (control2 / "done-rank0").read_text() == "True" and (control / "done-rank0").read_text() == "False"
+    assert [e["pid"] for e in events(jobdir, "lease-lost")] == [pid]
     assert_all_checkpoints_valid(jobdir)
     assert lease_status(jobdir)["state"] == "released" and lease_status(jobdir)["job_id"] == "200"

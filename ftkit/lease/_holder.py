@@ -11,7 +11,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -231,10 +231,31 @@ class Lease:
                 if why is not None:
                     self._lose(why)
                     return
-                self.record = replace(self.record, heartbeat=self._clock())
-                atomic_write(self.job.lease, self.record.to_json())
+                record = replace(self.record, heartbeat=self._clock())
+                if atomic_write(self.job.lease, record.to_json(), replace_within=self._if_still_ours):
+                    self.record = record
             except Exception as exc:  # a full disk must not kill the run; the record just ages
                 log.warning("lease heartbeat on %s failed: %s", self.job.lease, exc)
+
+    @contextlib.contextmanager
+    def _if_still_ours(self) -> Iterator[bool]:
+        """Around the rename of a heartbeat's record: True only while this run still holds the
+        lease, with the mutex byte of its ``lease.lock`` held so no acquisition on that file
+        (which writes ``lease.json`` under the same byte) comes in between.
+
+        Checking before the write would not do: a holder stopped within its write (a node cut
+        off from the file server mid-fsync) and resumed after a takeover would rename its own
+        record over the new holder's; that holder would then find "its" record gone and stop
+        too, or, if it had already ended, leave the job dir naming the displaced run. Busy
+        mutex (another run is acquiring right now): skip this heartbeat, the next one decides."""
+        assert self._fd is not None
+        if not _lock(self._fd, _MUTEX_BYTE, self.job.lease_lock):
+            yield False
+            return
+        try:
+            yield self._still_ours() is None
+        finally:
+            _unlock(self._fd, _MUTEX_BYTE)
 
     def _still_ours(self) -> str | None:
         assert self._fd is not None
