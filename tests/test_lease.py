@@ -83,11 +83,17 @@ def snapshot(jobdir: Path) -> dict[str, tuple[int, int] | None]:
     The holder's hang-watchdog heartbeats (``heartbeats/rank*.json``) are rewritten every few
     seconds by the holder itself (each a rename into ``heartbeats/``, which changes that
     directory's mtime too), so only their presence counts: another run must neither create nor
-    delete them (a slow machine can take longer than one beat between snapshots)."""
+    delete them (a slow machine can take longer than one beat between snapshots). The
+    temporaries those rewrites rename from (``.lease.json.tmp-PID``, ``heartbeats/.NAME.tmp-PID``)
+    come and go with each beat and are not counted at all."""
     skip = {"events.jsonl", "lease.json"}
     beats = jobdir / "heartbeats"
+
+    def transient(p: Path) -> bool:
+        return p.name in skip or p.name.startswith(".lease.json.tmp-") or (p.parent == beats and p.name.startswith("."))
+
     return {str(p.relative_to(jobdir)): None if beats in (p, p.parent) else (p.lstat().st_size, p.lstat().st_mtime_ns)
-            for p in sorted(jobdir.rglob("*")) if p.name not in skip}
+            for p in sorted(jobdir.rglob("*")) if not transient(p)}
 
 
 def assert_all_checkpoints_valid(jobdir: Path, newest: int = STEPS) -> None:
