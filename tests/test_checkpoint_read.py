@@ -851,3 +851,138 @@ def test_a_state_file_of_plain_state_is_parsed_by_the_c_unpickler_as_torch_load_
                     assert got["slice"].untyped_storage().data_ptr() == got["base"].untyped_storage().data_ptr()
             else:
                 assert torch.equal(got["sparse"].to_dense(), torch.eye(3)) and torch.equal(got["t"], torch.arange(4))
+
+
+class _Rounds:
+    """A :class:`ftkit.checkpoint.io.reader.Fetch` over a buffer that already holds the whole
+    file: it reads nothing, and records each round of small reads asked for."""
+
+    def __init__(self) -> None:
+        self.rounds: list[list[tuple[int, int]]] = []
+
+    def __call__(self, start: int, end: int) -> None:
+        self.many([(start, end)])
+
+    def many(self, ranges) -> None:
+        self.rounds.append(list(ranges))
+
+    def done(self) -> None:
+        pass
+
+    def covered(self, start: int, end: int) -> bool:
+        return False
+
+
+def test_a_state_files_records_are_found_in_one_round_of_small_reads_and_where_a_full_read_finds_them(tmp_path):
+    """The data offsets follow from the zip directory (records lie back to back), so a state
+    file needs one round of small reads (its end and its start, where the pickle is) before the
+    bulk instead of three; they are exactly where the local headers put them, which
+    ``check_guess`` confirms from the file's bytes."""
+    for direct in (False, True):
+        meta = write_state_file(tmp_path, f"s{direct}.pt", {"state": _state(3)["model"].state_dict(),
+                                                            "n": [1, "x"], "e": torch.empty(0)}, direct=direct)
+        view = memoryview(bytearray((tmp_path / f"s{direct}.pt").read_bytes()))
+        fetch = _Rounds()
+        records, checks = _archive.archive_records_guessed(view, fetch)
+        assert records == _archive.archive_records(view, _single._Read())
+        assert len(fetch.rounds) == 1 and sorted(fetch.rounds[0]) == [(0, _archive.HEAD),
+                                                                       (meta["size"] - _archive.TAIL, meta["size"])]
+        assert len(checks) == len(records)
+        _archive.check_guess(view, checks)
+        head, name, _, _ = checks[-1]
+        view[head + 26] ^= 1  # the local header's name length: its data would begin elsewhere
+        with pytest.raises(_archive.LayoutGuess, match=name.decode()):
+            _archive.check_guess(view, checks)
+
+
+def test_an_archive_written_as_a_stream_is_guessed_with_its_data_descriptors_and_a_compressed_one_is_not(tmp_path):
+    """:mod:`zipfile` writing to a stream puts a data descriptor after each record's data, as
+    ``torch.save``'s writer does: the guess allows for it and checks it; a compressed record
+    is no guess (nor readable in place): the records are read one by one and refused."""
+    import io
+    import zipfile
+
+    class Stream(io.RawIOBase):  # not seekable: zipfile writes data descriptors
+        def __init__(self) -> None:
+            self.data = bytearray()
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b) -> int:
+            self.data += bytes(b)
+            return len(b)
+
+    names = ("archive/data.pkl", "archive/data/0", "archive/version")
+    for method in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        out = Stream()
+        with zipfile.ZipFile(out, "w", method) as z:
+            for name in names:
+                with z.open(name, "w") as f:
+                    f.write(name.encode() * 50)
+        view = memoryview(out.data)
+        fetch = _Rounds()
+        if method == zipfile.ZIP_DEFLATED:
+            with pytest.raises(FileProblem, match="compressed"):
+                _archive.archive_records_guessed(view, fetch)
+            continue
+        records, checks = _archive.archive_records_guessed(view, fetch)
+        assert len(fetch.rounds) == 1 and all(d >= 0 for *_, d in checks)  # each with its descriptor
+        _archive.check_guess(view, checks)
+        assert {n: bytes(view[a : a + s]) for n, (a, s) in records.items()} == {n: n.encode() * 50 for n in names}
+        view[checks[1][3]] ^= 1  # the second record's descriptor signature
+        with pytest.raises(_archive.LayoutGuess, match="descriptor"):
+            _archive.check_guess(view, checks)
+
+
+def _spread(path, gap: int, after: str) -> None:
+    """Rewrite the zip archive at ``path`` with ``gap`` junk bytes after the data (and data
+    descriptor) of its record ``after`` (the archive still valid: the later records' and the
+    directory's offsets moved), and its checkpoint's manifest entry to match."""
+    import json
+    import struct
+    import zipfile
+
+    data = path.read_bytes()
+    with zipfile.ZipFile(path) as z:
+        infos = sorted(z.infolist(), key=lambda i: i.header_offset)
+    k = next(k for k, i in enumerate(infos) if i.filename.endswith("/" + after))
+    cut = infos[k + 1].header_offset
+    out = bytearray(data[:cut] + bytes([0xA5]) * gap + data[cut:])
+    eocd = bytes(out).rfind(b"PK\x05\x06")
+    count, _, cd_offset = struct.unpack_from("<HII", out, eocd + 10)
+    struct.pack_into("<I", out, eocd + 16, cd_offset + gap)
+    pos = cd_offset + gap
+    for _ in range(count):
+        n, e, c = struct.unpack_from("<HHH", out, pos + 28)
+        offset = struct.unpack_from("<I", out, pos + 42)[0]
+        if offset >= cut:
+            struct.pack_into("<I", out, pos + 42, offset + gap)
+        pos += 46 + n + e + c
+    path.write_bytes(out)
+    manifest = path.parent / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["files"][path.name].update(size=len(out), crc32=f"{zlib.crc32(bytes(out)):08x}")
+    manifest.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("after", ["data.pkl", "data/1"], ids=["after-the-pickle", "after-a-tensor"])
+def test_a_state_file_whose_records_do_not_lie_back_to_back_still_loads_exactly(tmp_path, caplog, after):
+    """A state file with bytes between two records (a zip writer of another kind) defeats the
+    guess from the directory: the read into the live tensors notices (the pickle does not
+    parse, or, after a tensor, the local headers do not match once the file is read and that
+    tensor's bytes came from the wrong place), reads the file again the careful way, and the
+    state is exactly the checkpoint's, not the older one's."""
+    import logging
+
+    root = tmp_path / "ck"
+    want = _two_checkpoints(root)
+    path = root / "step-00000003" / "rank-00000.pt"
+    _spread(path, 4096, after)  # a whole block: every record stays aligned for the in-place parse
+    assert torch.load(path, weights_only=True)["format"] == "ftkit-state"  # still an archive torch reads
+    live = _state(9)
+    with caplog.at_level(logging.INFO, logger="ftkit.checkpoint.io.statefile"):
+        assert make_mgr(root).load(live) == 3
+    assert _same(_snapshot(live), want)
+    assert "reading it again" in caplog.text
+

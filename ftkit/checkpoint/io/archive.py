@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 
 from .reader import Fetch, FileProblem
 
-__all__ = ["TAIL", "Fetching", "archive_records", "archives_records"]
+__all__ = ["HEAD", "TAIL", "Fetching", "LayoutGuess", "archive_records", "archive_records_guessed",
+           "archives_records", "check_guess"]
 
 
 class Fetching:
@@ -64,6 +65,14 @@ def _directory(view: memoryview, start: int, end: int, read: int) -> list[tuple[
     ``read`` bytes, which ``view`` holds: ``(name, local header offset from start, size,
     compression)`` per record. None where the archive is not of the plain kind ``torch.save``
     writes (zip64, a directory larger than what was read): :mod:`zipfile` reads those."""
+    found = _central(view, start, end, read)
+    return None if found is None else [(name, offset, size, method) for name, offset, size, method, _ in found[0]]
+
+
+def _central(view: memoryview, start: int, end: int,
+             read: int) -> tuple[list[tuple[str, int, int, int, int]], int] | None:
+    """:func:`_directory` with each record's general purpose flags, and where the directory
+    begins (from the archive's start)."""
     tail = bytes(view[max(start, end - read) : end])
     at = tail.rfind(b"PK\x05\x06", 0, max(0, len(tail) - _EOCD.size + 4))  # the last one that fits
     if at < 0 or at + _EOCD.size + _EOCD.unpack_from(tail, at)[7] != len(tail):
@@ -74,7 +83,8 @@ def _directory(view: memoryview, start: int, end: int, read: int) -> list[tuple[
     first = (end - len(tail)) - start  # the archive offset tail[0] is at
     if cd_offset < first or cd_offset + cd_size > first + at:
         return None
-    pos, out = cd_offset - first, []
+    pos = cd_offset - first
+    out: list[tuple[str, int, int, int, int]] = []
     for _ in range(count):
         if pos + _CENTRAL.size > at:
             return None
@@ -86,9 +96,9 @@ def _directory(view: memoryview, start: int, end: int, read: int) -> list[tuple[
         if _ZIP64 in (csize, usize, offset):
             return None
         name = tail[pos + _CENTRAL.size : pos + _CENTRAL.size + name_len].decode("utf-8")
-        out.append((name, offset, usize, method))
+        out.append((name, offset, usize, method, fields[3]))
         pos += _CENTRAL.size + name_len + extra_len + comment_len
-    return out
+    return out, cd_offset
 
 
 def _directory_start(view: memoryview, start: int, end: int, read: int) -> int | None:
@@ -153,3 +163,74 @@ def archive_records(view: memoryview, fetch: Fetch, start: int = 0,
                     end: int | None = None) -> dict[str, tuple[int, int]]:
     """:func:`archives_records` of the one archive at ``[start, end)`` of the file."""
     return archives_records(view, fetch, [(start, view.nbytes if end is None else end)])[0]
+
+
+HEAD = 64 << 10  # the start of an archive read with its end: its pickle (``data.pkl``, written first)
+_LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header (30 bytes, then name and extra field)
+_ENCRYPTED, _DESCRIPTOR = 0x1, 0x8  # general purpose flags: encrypted; sizes in a descriptor after the data
+_DD = struct.Struct("<IIII")  # data descriptor: signature, CRC-32, compressed and uncompressed size
+
+
+class LayoutGuess(FileProblem):
+    """A record's local header does not begin where :func:`archive_records_guessed` took it to."""
+
+
+def _back_to_back(entries: list[tuple[str, int, int, int, int]], cd_offset: int,
+                  start: int) -> tuple[dict[str, tuple[int, int]], list[tuple[int, bytes, int, int]]] | None:
+    """Each record's data ``(offset in the file, size)``, from the directory alone: records lie
+    back to back (what zip writers write, ``torch.save``'s too), so a record's data ends where
+    the next record's local header (the directory, for the last) begins, less the data
+    descriptor that follows it where its flags say so (16 bytes, with its signature, as
+    ``torch.save`` and :mod:`zipfile` write it). The local headers and descriptors to check
+    once the file is read: ``(header offset, name, data offset, descriptor offset or -1)``.
+    None where the directory rules it out (a compressed or encrypted record, no room for a
+    header)."""
+    ordered = sorted(entries, key=lambda e: e[1])
+    records: dict[str, tuple[int, int]] = {}
+    checks: list[tuple[int, bytes, int, int]] = []
+    for k, (name, offset, size, method, flags) in enumerate(ordered):
+        data_end = (ordered[k + 1][1] if k + 1 < len(ordered) else cd_offset) - (_DD.size if flags & _DESCRIPTOR else 0)
+        data = data_end - size
+        encoded = name.encode("utf-8")
+        if method != zipfile.ZIP_STORED or flags & _ENCRYPTED or data < offset + _LOCAL.size + len(encoded):
+            return None
+        records[name] = (start + data, size)
+        checks.append((start + offset, encoded, start + data, start + data_end if flags & _DESCRIPTOR else -1))
+    return records, checks
+
+
+def archive_records_guessed(view: memoryview, fetch: Fetch, *, head: int = HEAD,
+                            tail: int = TAIL) -> tuple[dict[str, tuple[int, int]], list[tuple[int, bytes, int, int]]]:
+    """:func:`archive_records` of a whole file in one round of small reads where the archive
+    allows it: its end (the directory) and its first ``head`` bytes (the pickle, written
+    first) together, the data offsets taken from the directory (:func:`_back_to_back`) instead
+    of a second round that reads every record's local header (a few KiB each, all over the
+    file: the round a load otherwise waits for before its bulk read starts). Returns the
+    records and the local headers the guess rests on: the caller reads the file (its bulk
+    passes them) and calls :func:`check_guess` before it trusts anything parsed with them.
+    The checks are empty where the records were read the usual way (nothing guessed)."""
+    size = view.nbytes
+    fetch.many([(max(0, size - tail), size), (0, min(size, head))])
+    found = _central(view, 0, size, tail)
+    guessed = _back_to_back(*found, 0) if found is not None else None
+    if guessed is None:
+        return archive_records(view, fetch), []
+    return guessed
+
+
+def check_guess(view: memoryview, checks: list[tuple[int, bytes, int, int]]) -> None:
+    """Raise :class:`LayoutGuess` unless each ``(header offset, name, data offset, descriptor
+    offset)`` of :func:`archive_records_guessed` is a local header of that name whose data
+    begins there, followed by a data descriptor where one was taken to be (``view`` holds the
+    file's bytes at those places)."""
+    for offset, name, data, descriptor in checks:
+        shown = name.decode(errors="replace")
+        if offset + _LOCAL.size > view.nbytes or descriptor + _DD.size > view.nbytes:
+            raise LayoutGuess(f"record {shown}: its local header or data descriptor would lie past the end")
+        fields = _LOCAL.unpack_from(view, offset)
+        name_len, extra_len = fields[9], fields[10]
+        got = bytes(view[offset + _LOCAL.size : offset + _LOCAL.size + name_len])
+        if fields[0] != 0x04034B50 or got != name or offset + _LOCAL.size + name_len + extra_len != data:
+            raise LayoutGuess(f"record {shown}: the local header at byte {offset} does not put its data at byte {data}")
+        if descriptor >= 0 and _DD.unpack_from(view, descriptor)[0] != 0x08074B50:
+            raise LayoutGuess(f"record {shown}: no data descriptor at byte {descriptor}")

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointError
-from .archive import archive_records
+from .archive import LayoutGuess, archive_records, archive_records_guessed, check_guess
 from .device import DeviceCopies, load_copies
 from .direct import BLOCK, address
 from .files import CHECKSUM, HashingWriter
@@ -320,14 +320,17 @@ def parse_state_file(path: Path, read: tuple[Any, memoryview]) -> dict[str, Any]
     return payload
 
 
-def _fetch_all_but_storages(view: memoryview, fetch: Fetch) -> dict[str, tuple[int, int]]:
+def _fetch_all_but_storages(view: memoryview, fetch: Fetch,
+                            guess: bool = False) -> tuple[dict[str, tuple[int, int]], list[tuple[int, bytes, int, int]]]:
     """Read everything torch's parser looks at into ``view``: the zip directory, every local
     header, every record but the tensor storages (``*/data/<key>``), which stay unread. The
-    archive's records (name -> (offset, size))."""
-    records = archive_records(view, fetch)
+    archive's records (name -> (offset, size)). ``guess``: the local headers are not read but
+    their places inferred (:func:`ftkit.checkpoint.io.archive.archive_records_guessed`), and
+    returned to be checked once the file is read (else an empty list)."""
+    records, checks = archive_records_guessed(view, fetch) if guess else (archive_records(view, fetch), [])
     fetch.many([(start, start + size) for name, (start, size) in records.items()
                 if "/data/" not in name or name.endswith(".pkl")])
-    return records
+    return records, checks
 
 
 class _Read:
@@ -423,13 +426,33 @@ def read_state_into(
     (then :func:`ftkit.checkpoint.state.restore.own_tensors` has nothing to copy). On :class:`CheckpointError` the
     live tensors may hold the corrupt file's bytes: the caller must have an older checkpoint
     to overwrite them with."""
-    path = directory / name
     if not _PARSE_IN_PLACE:  # no in-place parse, nothing to aim at: the plain read
         return read_state_file(directory, name, meta, verify=verify, direct=direct)
+    try:
+        return _read_state_into(directory, name, meta, targets, verify=verify, direct=direct, guess=True)
+    except LayoutGuess as exc:  # a zip writer of another kind: read again, the local headers first
+        log.info("%s: %s; reading it again, its local headers first", directory / name, exc)
+    return _read_state_into(directory, name, meta, targets, verify=verify, direct=direct, guess=False)
+
+
+def _read_state_into(directory: Path, name: str, meta: Mapping[str, Any],
+                     targets: Callable[[dict[str, Any]], Mapping[int, torch.Tensor]], *, verify: bool,
+                     direct: bool | None, guess: bool) -> dict[str, Any]:
+    """:func:`read_state_into`; ``guess``: the local headers' places inferred from the archive's
+    directory and checked once the file is read (:class:`LayoutGuess` when one is wrong)."""
+    path = directory / name
     holder: dict[str, Any] = {}
 
     def plan(mapping: Any, view: memoryview, fetch: Fetch) -> list[Target]:
-        records = _fetch_all_but_storages(view, fetch)
+        records, holder["checks"] = _fetch_all_but_storages(view, fetch, guess)
+        try:
+            return aim(mapping, view, fetch, records)
+        except Exception as exc:
+            if holder["checks"]:  # parsed at guessed places: the guess may be what is wrong
+                raise LayoutGuess(f"the file did not parse at the places its directory implies ({exc})") from exc
+            raise
+
+    def aim(mapping: Any, view: memoryview, fetch: Fetch, records: dict[str, tuple[int, int]]) -> list[Target]:
         fetch.done()
         payload = holder["payload"] = _parse(view, mapping, records)
         if not isinstance(payload, dict) or payload.get("format") != FILE_FORMAT:
@@ -463,8 +486,11 @@ def read_state_into(
     # live tensors on a GPU: pinned staging, each piece copied to the device as it arrives
     with load_copies(chunk=CHUNK, count=STAGING // CHUNK) as copies:
         try:
-            scatter_file(path, meta, plan, verify=verify, direct=direct,
-                         stages=copies.stages() if copies is not None else None)
+            _, view = scatter_file(path, meta, plan, verify=verify, direct=direct,
+                                   stages=copies.stages() if copies is not None else None)
+            check_guess(view, holder["checks"])  # the bytes parsed are the file's: so are the places?
+        except LayoutGuess:
+            raise
         except FileProblem as exc:
             raise CheckpointError(f"{directory}: {exc}") from exc
         except CheckpointError:
