@@ -105,6 +105,14 @@ def engine(request, monkeypatch, tmp_path):
     return request.param
 
 
+@pytest.fixture(params=[1, 3], ids=["1-placer", "3-placers"])
+def placers(request, monkeypatch):
+    """Threads that checksum and place the arrived pieces: the reading thread alone (a 2-CPU
+    machine's setting, this one's) or with helpers (a bigger machine's)."""
+    monkeypatch.setattr(_reader, "WORKERS", request.param)
+    return request.param
+
+
 def _coverage(reads, ino: int) -> list[tuple[int, int]]:
     return sorted((off, off + n) for i, off, n, _ in reads if i == ino and n)
 
@@ -135,7 +143,7 @@ def test_a_load_reads_every_byte_of_the_file_once_with_o_direct(tmp_path, monkey
 
 
 @pytest.mark.parametrize("direct", [None, False], ids=["o-direct", "page-cache"])
-def test_any_size_reads_back_byte_for_byte_with_zlibs_crc(tmp_path, monkeypatch, direct, engine):
+def test_any_size_reads_back_byte_for_byte_with_zlibs_crc(tmp_path, monkeypatch, direct, engine, placers):
     monkeypatch.setattr(_reader, "CHUNK", 64 << 10)  # many pieces, a window of them in flight
     rng = random.Random(7)
     piece = 64 << 10
@@ -205,7 +213,7 @@ def test_short_direct_reads_are_completed_through_the_page_cache(tmp_path, monke
     assert True in kinds and False in kinds  # the unaligned rest came through the page cache
 
 
-def test_a_file_that_changes_while_it_is_read_is_refused_by_name(tmp_path, monkeypatch, engine):
+def test_a_file_that_changes_while_it_is_read_is_refused_by_name(tmp_path, monkeypatch, engine, placers):
     monkeypatch.setattr(_reader, "CHUNK", 64 << 10)
     path = tmp_path / "rank-00000.pt"
     path.write_bytes(os.urandom(10 * (64 << 10)))
@@ -660,7 +668,7 @@ class _FutureFence:
         self._future.result()
 
 
-def test_a_staging_buffer_is_read_into_again_only_after_the_copies_out_of_it_ran(tmp_path, monkeypatch, engine):
+def test_a_staging_buffer_is_read_into_again_only_after_the_copies_out_of_it_ran(tmp_path, monkeypatch, engine, placers):
     """The GPU path's contract, on a CPU: a destination whose copies run later (from the staging
     buffer, as a host-to-device DMA does) gets the file's exact bytes, because the reader waits
     for each copy's fence before it reads into that buffer again, and for all of them before it

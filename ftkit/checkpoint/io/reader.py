@@ -66,9 +66,20 @@ CHUNK = 2 << 20  # one request: whole blocks. Small enough that the reads in fli
 # the device to stream (the block layer splits requests at a few MiB anyway)
 DEPTH = 16  # requests in flight (32 MiB): a queue deep enough for an NVMe or virtio disk to stream
 STAGING = 64 << 20  # staging memory of a read (four of the pool's buffers): half in flight, half placed
-WORKERS = max(1, min(4, os.cpu_count() or 1))  # threads that checksum and place pieces (the caller's
+def _usable_cpus() -> int:
+    """CPUs this process may run on (a SLURM job's cpuset, ``taskset``), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+WORKERS = max(1, min(4, _usable_cpus() - 1))  # threads that checksum and place pieces (the caller's
 # one of them): a piece takes ~0.3 ms of CPU here and a read ~1-2 ms, but the reads in flight
-# complete together, and a fast array delivers more than one thread can place
+# complete together, and a fast array delivers more than one thread can place. One CPU is left
+# to the kernel's completions of the reads and the process's other threads: on a 2-CPU VM a
+# second placing thread made a cold 0.25 GB read slower, not faster (check_file 157 vs 146 ms,
+# a load 172 vs 159 ms, medians of 18-24 rounds)
 SUB = CHUNK  # a piece is checksummed and placed in parts this large (each still in the L2/L3 cache)
 FETCH = 8 << 10  # scatter_file's small reads (headers, an index) read at least this much at once
 SMALL_BATCH = 32  # small reads submitted at once
