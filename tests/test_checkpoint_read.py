@@ -386,18 +386,34 @@ def test_with_an_older_checkpoint_the_newest_is_read_once_straight_into_the_live
     assert reads.engines == {engine}
 
 
-def test_a_fresh_optimizer_gets_moments_of_its_own_read_straight_from_the_file(tmp_path):
+def test_a_fresh_optimizer_gets_moments_of_its_own_read_straight_from_the_file(tmp_path, monkeypatch):
     """A requeued run's optimizer has no state yet: its moments have no live tensor to go to.
     They are read into memory of their own (no shared read buffer kept alive, no second copy),
-    bit for bit step 3's."""
+    bit for bit step 3's, by :data:`FRESH_WORKERS` threads (faulting fresh pages in is work
+    more threads share), where a load into live tensors only uses :data:`WORKERS`."""
+    monkeypatch.setattr(_reader, "CHUNK", 64 << 10)  # pieces enough for every thread
+    monkeypatch.setattr(_reader, "WORKERS", 1)
+    monkeypatch.setattr(_reader, "FRESH_WORKERS", 3)
+    monkeypatch.setattr(_single, "FRESH_THREADS", 64 << 10)  # these moments count as much fresh memory
+    placers: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(self) -> None:
+        if self.name == "ftkit-read-place":
+            placers.append(self.name)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
     root = tmp_path / "ck"
     want = _two_checkpoints(root)
+    assert make_mgr(root).load(_state(9)) == 3 and placers == []  # live tensors: the reading thread alone
     torch.manual_seed(9)
     model = torch.nn.Linear(300, 200)
     live = {"model": model, "optimizer": torch.optim.Adam(model.parameters(), lr=0.1),
             "extra": {"value": 0.0, "t": torch.zeros(5)}}
     assert not live["optimizer"].state
     assert make_mgr(root).load(live) == 3
+    assert len(placers) == 2  # and the reading thread
     assert _same(_snapshot(live), want)
     for st in live["optimizer"].state.values():
         for v in st.values():

@@ -58,7 +58,7 @@ from .direct import BLOCK, STAGE_BYTES, read_buffer, take_stage
 from .files import CHECKSUM, crc32, crc32_combine
 from .reads import FileProblem, Reads, address, opened
 
-__all__ = ["CHUNK", "DEPTH", "SUB", "Destination", "Fence", "Fetch", "FileProblem", "Target", "check_file", "read_file",
+__all__ = ["CHUNK", "DEPTH", "FRESH_WORKERS", "SUB", "Destination", "Fence", "Fetch", "FileProblem", "Target", "check_file", "read_file",
            "read_spans", "scatter_file"]
 
 CHUNK = 2 << 20  # one request: whole blocks. Small enough that the reads in flight, which a device
@@ -80,6 +80,11 @@ WORKERS = max(1, min(4, _usable_cpus() - 1))  # threads that checksum and place 
 # to the kernel's completions of the reads and the process's other threads: on a 2-CPU VM a
 # second placing thread made a cold 0.25 GB read slower, not faster (check_file 157 vs 146 ms,
 # a load 172 vs 159 ms, medians of 18-24 rounds)
+FRESH_WORKERS = max(1, min(4, _usable_cpus()))  # the same, where most of the bytes go to fresh
+# memory (a requeued job's optimizer moments): each first write of a page faults it in, which
+# is CPU work that more threads share (a requeue's load of 3 GB into a fresh Adam on a 2-CPU
+# VM, alternating: two threads 4.6 s against one's 9.8 s in one run, 2.2 s against 2.7 s in
+# another, the VM's page faults being that variable)
 SUB = CHUNK  # a piece is checksummed and placed in parts this large (each still in the L2/L3 cache)
 FETCH = 8 << 10  # scatter_file's small reads (headers, an index) read at least this much at once
 SMALL_BATCH = 32  # small reads submitted at once
@@ -113,6 +118,7 @@ def _stream(
     stages: list[memoryview] | None = None,
     place: Callable[[int, int, int], Fence | None] | None = None,
     during: Callable[[Callable[[], None]], None] | None = None,
+    placers: Callable[[], int] | None = None,
 ) -> int:
     """Read the file's ``size`` bytes in :data:`CHUNK` pieces and return their CRC-32.
 
@@ -130,7 +136,8 @@ def _stream(
 
     ``during(go)`` runs first: a plan of where the bytes go, whose small reads come first; it
     calls ``go()`` once they are done, and the bulk reads start then (or when it returns), so
-    the plan's parsing overlaps them. ``place`` is called only once it returned. A file that
+    the plan's parsing overlaps them. ``place`` is called only once it returned, and then
+    ``placers()`` says how many threads checksum and place (default :data:`WORKERS`). A file that
     ends early or runs on (changed since it was sized) is a problem, raised at once; the
     caller's :meth:`Reads.close` then waits for the reads still in flight."""
     pieces = -(-size // CHUNK)
@@ -206,15 +213,16 @@ def _stream(
             return
         started = True
         fill(max(DEPTH, len(free)))  # every staging buffer: the plan may take a while yet
-        for _ in range(min(WORKERS, pieces) - 1):  # they start while the first reads are in flight
-            thread = threading.Thread(target=helper, name="ftkit-read-place", daemon=True)
-            thread.start()
-            helpers.append(thread)
 
     try:
         if during is not None:
             during(go)
         go()
+        # no piece is taken from the reads before this: the helpers start while the first are in flight
+        for _ in range(min(placers() if placers is not None else WORKERS, pieces) - 1):
+            thread = threading.Thread(target=helper, name="ftkit-read-place", daemon=True)
+            thread.start()
+            helpers.append(thread)
         while True:
             with turn:
                 if failed:
@@ -290,7 +298,8 @@ Prepare = Callable[[Reads], tuple[Callable[[Callable[[], None]], None], Callable
 
 
 def _staged(path: Path, name: str, size: int, *, direct: bool | None, cache: bool,
-            prepare: Prepare | None = None, stages: list[memoryview] | None = None) -> int:
+            prepare: Prepare | None = None, stages: list[memoryview] | None = None,
+            placers: Callable[[], int] | None = None) -> int:
     """The CRC-32 of ``path``'s ``size`` bytes read through :data:`STAGING` bytes of reused
     staging buffers (the pool's, or ``stages``). ``prepare(reads)``, called once the file is
     open, returns ``_stream``'s ``during`` and ``place``."""
@@ -302,7 +311,7 @@ def _staged(path: Path, name: str, size: int, *, direct: bool | None, cache: boo
             views = stages[:count] if stages is not None else [
                 view[k * CHUNK : (k + 1) * CHUNK] for view, _ in pool for k in range(per)][:count]
             during, place = prepare(reads) if prepare is not None else (None, None)
-            return _stream(reads, size, stages=views, place=place, during=during)
+            return _stream(reads, size, stages=views, place=place, during=during, placers=placers)
     finally:
         for _, release in pool:  # after the reads in flight were waited for
             release()
@@ -420,6 +429,7 @@ def scatter_file(
     verify: bool = True,
     direct: bool | None = None,
     stages: list[memoryview] | None = None,
+    placers: Callable[[], int] | None = None,
 ) -> tuple[Any, memoryview]:
     """Read ``path`` once, each piece to where ``plan`` wants it; ``(mapping, view)`` as
     :func:`read_file`, with the bytes ``plan`` sent elsewhere left unread (zero) in it.
@@ -434,7 +444,8 @@ def scatter_file(
     buffers of the caller's, such as pinned memory a GPU copies from asynchronously), every
     piece checksummed and copied to its targets and the rest into ``view``. Raises
     :class:`FileProblem` as :func:`read_file`; by then the targets hold the file's (wrong)
-    bytes."""
+    bytes. ``placers()``, asked once ``plan`` returned: how many threads checksum and place
+    (:data:`WORKERS`; :data:`FRESH_WORKERS` suits targets mostly in fresh memory)."""
     name = path.name
     size, want = _expected(name, meta)
     mapping, whole = read_buffer(size)
@@ -486,7 +497,7 @@ def scatter_file(
 
         return during, place
 
-    crc = _staged(path, name, size, direct=direct, cache=False, prepare=prepare, stages=stages)
+    crc = _staged(path, name, size, direct=direct, cache=False, prepare=prepare, stages=stages, placers=placers)
     if verify:
         _check_crc(name, crc, want)
     return mapping, whole[:size]

@@ -39,11 +39,22 @@ from typing import Any
 import torch
 
 from ...errors import CheckpointError
+from . import reader as _reader
 from .archive import LayoutGuess, archive_records, archive_records_guessed, check_guess
 from .device import DeviceCopies, load_copies
 from .direct import BLOCK, address
 from .files import CHECKSUM, HashingWriter
-from .reader import CHUNK, STAGING, Destination, Fetch, FileProblem, Target, read_file, scatter_file
+from .reader import (
+    CHUNK,
+    FRESH_THREADS,
+    STAGING,
+    Destination,
+    Fetch,
+    FileProblem,
+    Target,
+    read_file,
+    scatter_file,
+)
 from .unpickle import PlainUnpickler, Storage
 
 __all__ = ["FILE_FORMAT", "parse_state_file", "read_state_bytes", "read_state_file", "read_state_into",
@@ -441,7 +452,7 @@ def _read_state_into(directory: Path, name: str, meta: Mapping[str, Any],
     """:func:`read_state_into`; ``guess``: the local headers' places inferred from the archive's
     directory and checked once the file is read (:class:`LayoutGuess` when one is wrong)."""
     path = directory / name
-    holder: dict[str, Any] = {}
+    holder: dict[str, Any] = {"fresh": 0}
 
     def plan(mapping: Any, view: memoryview, fetch: Fetch) -> list[Target]:
         records, holder["checks"] = _fetch_all_but_storages(view, fetch, guess)
@@ -472,6 +483,7 @@ def _read_state_into(directory: Path, name: str, meta: Mapping[str, Any],
                     or saved.dtype != live.dtype or not live.is_contiguous()):
                 # no live tensor takes it: memory of its own (the load keeps it), not the buffer
                 live = _fresh(saved)
+                holder["fresh"] += saved.numel() * saved.element_size()
             start = saved.data_ptr() - base
             aims.append((start, start + saved.numel() * saved.element_size(), id(saved), live))
         aims.sort(key=lambda a: a[0])
@@ -487,7 +499,9 @@ def _read_state_into(directory: Path, name: str, meta: Mapping[str, Any],
     with load_copies(chunk=CHUNK, count=STAGING // CHUNK) as copies:
         try:
             _, view = scatter_file(path, meta, plan, verify=verify, direct=direct,
-                                   stages=copies.stages() if copies is not None else None)
+                                   stages=copies.stages() if copies is not None else None,
+                                   # a fresh optimizer's moments: page faults, which more threads share
+                                   placers=lambda: _reader.FRESH_WORKERS if holder["fresh"] >= FRESH_THREADS else _reader.WORKERS)
             check_guess(view, holder["checks"])  # the bytes parsed are the file's: so are the places?
         except LayoutGuess:
             raise
