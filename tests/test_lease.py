@@ -420,7 +420,8 @@ def test_a_holder_resumed_mid_heartbeat_while_the_next_run_holds_stops_and_leave
         (control / "release").touch()
         ((rc, err),) = finish([first])
         assert rc == 0, err
-        time.sleep(1.0)  # five of the new holder's heartbeats, each reading lease.json
+        beat = lease_status(jobdir)["heartbeat"]  # five more of the new holder's beats, each reading lease.json
+        wait_for(lambda: lease_status(jobdir)["heartbeat"] >= beat + 1.0, 30, what="the new holder beating on")
         status = lease_status(jobdir)
         assert status["state"] == "held" and status["job_id"] == "200" and status["pid"] == pid2
         (control2 / "release").touch()
