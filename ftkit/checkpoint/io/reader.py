@@ -66,6 +66,8 @@ CHUNK = 2 << 20  # one request: whole blocks. Small enough that the reads in fli
 # the device to stream (the block layer splits requests at a few MiB anyway)
 DEPTH = 16  # requests in flight (32 MiB): a queue deep enough for an NVMe or virtio disk to stream
 STAGING = 64 << 20  # staging memory of a read (four of the pool's buffers): half in flight, half placed
+
+
 def _usable_cpus() -> int:
     """CPUs this process may run on (a SLURM job's cpuset, ``taskset``), else the machine's."""
     try:
