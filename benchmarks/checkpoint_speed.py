@@ -311,6 +311,7 @@ def _load_rounds(load, files: list[Path], rounds: int, settle_s: float, *, comm:
             took = None
             if what == "load":
                 got = load()
+                _sync()  # on a GPU: until the state is there, not until its copies are queued
                 took = got if timed else None
             else:
                 _raw_read(files, buf, depth=int(what[-1]))
@@ -561,6 +562,7 @@ def worker_2ranks(variant: str, gb: float, work: Path, rounds: int, settle_s: fl
     torch.manual_seed(rank)
     layers = max(1, round(gb * 1e9 / BYTES_PER_LAYER / 2))
     model = torch.nn.ModuleDict({f"r{rank}_{i}": torch.nn.Linear(LAYER, LAYER) for i in range(layers)})
+    model.to(DEVICE)  # --device cuda: both ranks' state on the one GPU
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
