@@ -144,7 +144,7 @@ def _stream(
     caller's :meth:`Reads.close` then waits for the reads still in flight."""
     pieces = -(-size // CHUNK)
     crcs = [0] * pieces
-    free = list(stages or ())  # buffers to read into (any thread gives one back)
+    free = collections.deque(stages or ())  # buffers to read into (any thread gives one back)
     fences: dict[int, Fence] = {}  # id of a staging view -> copies still reading it
     inflight: dict[int, tuple[int, memoryview]] = {}  # tag -> (piece, buffer); the caller's alone
     arrived: collections.deque[tuple[int, memoryview, int]] = collections.deque()  # read, not yet placed
@@ -166,7 +166,9 @@ def _stream(
                 with turn:
                     if not free:
                         break
-                    view = free.pop()
+                    # the buffer placed longest ago: a GPU's copies out of it (its fence) are
+                    # done by now, where the one placed last has its copy just queued
+                    view = free.popleft()
                     fence = fences.pop(id(view), None)
                 if fence is not None:
                     fence.wait()
