@@ -253,7 +253,7 @@ def _stream(
                     turn.wait()  # the helpers have the last pieces
             if mine is not None:
                 settle(*mine)
-                fill()  # its buffer reads the next piece while the others are placed
+                fill()  # a free buffer reads the next piece while the others are placed
     except BaseException:
         with turn:  # the helpers stop at their next piece
             stopping[0] = True
