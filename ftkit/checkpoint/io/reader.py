@@ -129,8 +129,8 @@ def _stream(
     complete; it and up to :data:`WORKERS` ``- 1`` helper threads take each arrived piece's
     CRC-32 and give it to ``place(offset, address, n)`` (the file's bytes ``[offset, offset +
     n)`` lie at ``address``) in :data:`SUB`-byte parts, each placed right after its CRC-32 read
-    it, while it is in the CPU cache (both release the GIL); then that buffer reads the next
-    piece. The device always has the next reads queued while pieces are checksummed and
+    it, while it is in the CPU cache (both release the GIL); then the buffer is free again, and
+    the free buffer placed longest ago reads the next piece. The device always has the next reads queued while pieces are checksummed and
     copied; a device that completes the reads in flight together gets them placed in parallel.
     ``place`` may return a :class:`Fence` for copies still running from the buffer: it is
     waited for before the buffer is read into again, and before this returns. The pieces'
