@@ -130,8 +130,9 @@ def _stream(
     CRC-32 and give it to ``place(offset, address, n)`` (the file's bytes ``[offset, offset +
     n)`` lie at ``address``) in :data:`SUB`-byte parts, each placed right after its CRC-32 read
     it, while it is in the CPU cache (both release the GIL); then the buffer is free again, and
-    the free buffer placed longest ago reads the next piece. The device always has the next reads queued while pieces are checksummed and
-    copied; a device that completes the reads in flight together gets them placed in parallel.
+    the free buffer placed longest ago reads the next piece. The device always has the next
+    reads queued while pieces are checksummed and copied; a device that completes the reads in
+    flight together gets them placed in parallel.
     ``place`` may return a :class:`Fence` for copies still running from the buffer: it is
     waited for before the buffer is read into again, and before this returns. The pieces'
     CRC-32s are combined in file order (``crc32_combine``).
