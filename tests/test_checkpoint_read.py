@@ -530,6 +530,110 @@ def test_a_rank_reads_its_own_dcp_file_whole_and_the_values_in_anothers_in_small
         assert any(off <= info.offset and info.offset + info.length <= off + n for _, off, n, _ in small)
 
 
+def _grow_dcp_item(step, name: str, by: int) -> tuple[int, int]:
+    """Give one tensor item of ``step``'s DCP file ``name`` a zip comment of ``by`` bytes (the
+    item still an archive torch reads; the later items, the metadata and the manifest moved to
+    match): the largest item of a storage size that other items share, so that its layout is
+    one the reader guesses from another item's. Returns the item's (offset, length) before."""
+    import json
+    import pickle
+    import struct
+    from dataclasses import replace
+
+    dcp_dir = step / "dcp"
+    metadata = pickle.loads((dcp_dir / ".metadata").read_bytes())
+    tensors = {index: info for index, info in metadata.storage_data.items() if info.relative_path == name
+               and hasattr(metadata.state_dict_metadata[index.fqn], "chunks")}
+    nbytes = {index: next(c for c in metadata.state_dict_metadata[index.fqn].chunks
+                          if tuple(c.offsets) == tuple(index.offset)).sizes.numel()
+              * metadata.state_dict_metadata[index.fqn].properties.dtype.itemsize for index in tensors}
+    kinds = [n % 64 for n in nbytes.values()]
+    index = max((i for i in tensors if kinds.count(nbytes[i] % 64) > 1), key=lambda i: tensors[i].length)
+    info = tensors[index]
+    data = bytearray((dcp_dir / name).read_bytes())
+    end = info.offset + info.length
+    assert struct.unpack_from("<I", data, end - 22)[0] == 0x06054B50  # its end record, no comment yet
+    struct.pack_into("<H", data, end - 2, by)
+    data[end:end] = bytes(range(by))
+    (dcp_dir / name).write_bytes(data)
+    metadata.storage_data = {
+        i: replace(s, length=s.length + by) if i == index
+        else replace(s, offset=s.offset + by) if s.relative_path == name and s.offset >= end else s
+        for i, s in metadata.storage_data.items()}
+    (dcp_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+    doc = json.loads((step / "manifest.json").read_text())
+    for rel in (f"dcp/{name}", "dcp/.metadata"):
+        doc["files"][rel].update(_entry(step / rel))
+    (step / "manifest.json").write_text(json.dumps(doc))
+    return info.offset, info.length
+
+
+def test_a_dcp_item_not_where_its_layout_was_guessed_is_noticed_and_the_file_read_again(tmp_path, caplog):
+    """A DCP load reads one item per storage size first and takes the others' storages to lie
+    as theirs do. An item whose archive ends differently (a zip comment: a writer of another
+    kind) gets its tensor's bytes from the wrong place: once the file is read, its directory
+    says so, and the file is read again, every item's headers first. The state is exactly
+    the checkpoint's (as DCP's own reader gives it), not the older one's nor a shifted one."""
+    import logging
+
+    from tests.ckpt_helpers import build_state
+
+    root = tmp_path / "ck"
+    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], 2)
+    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], 2)
+    step = root / "step-00000007"
+    name = sorted(p.name for p in (step / "dcp").glob("__0_*.distcp"))[0]
+    _grow_dcp_item(step, name, 40)
+    reference, _ = build_state()
+    assert make_mgr(root).load(reference, step=7) == 7  # an explicit step: DCP's own reader
+    state, _ = build_state()
+    with torch.no_grad():
+        for p in state["model"].parameters():
+            p.add_(1.0)
+    with caplog.at_level(logging.INFO, logger="ftkit.checkpoint.dcp_reader"):
+        assert make_mgr(root).load(state) == 7
+    assert f"{name}: the item at byte" in caplog.text and "reading it again, its items' headers first" in caplog.text
+    assert "the way DCP does" not in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(state["model"].state_dict().values(),
+                                                  reference["model"].state_dict().values(), strict=True))
+    for pid, st in state["optimizer"].state_dict()["state"].items():
+        want = reference["optimizer"].state_dict()["state"][pid]
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(want[k])) for k, v in st.items())
+
+
+def test_a_held_dcp_prefetch_reads_only_headers_until_released(tmp_path, monkeypatch):
+    """Ranks that share a device start their bulk reads only once every rank's small reads are
+    done (queued behind a bulk, a read of a few KiB waits for tens of MiB): ``prefetch(hold=True)``
+    reads the items' headers and returns, and no bulk read of the file is made until
+    ``release()``; then the file streams and the load gives DCP's own reader's state."""
+    from ftkit.checkpoint.dcp import load_sharded, sharded_keys
+    from ftkit.checkpoint.dcp_reader import StreamingReader
+    from ftkit.checkpoint.format.manifest import validate_dir
+    from tests.ckpt_helpers import build_state
+
+    root = tmp_path / "ck"
+    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], 2)
+    step = root / "step-00000007"
+    reference, _ = build_state()
+    assert make_mgr(root).load(reference, step=7) == 7
+    state, _ = build_state()
+    reads = _spy_reads(monkeypatch)
+    reader = StreamingReader(step / "dcp", validate_dir(step).files, rank=0, world_size=2)
+    own = (step / "dcp" / sorted(p.name for p in (step / "dcp").glob("__0_*.distcp"))[0]).stat().st_ino
+    try:
+        reader.prefetch(hold=True)
+        assert [r for r in reads.small if r[0] == own]  # its headers: read before prefetch returned
+        time.sleep(0.5)  # time enough for a bulk read to start, were it free to
+        assert not [r for r in reads.bulk if r[0] == own]
+        reader.release()
+        load_sharded(state, sharded_keys(state), step, reader=reader)
+    finally:
+        reader.close()
+    assert [r for r in reads.bulk if r[0] == own]
+    assert all(torch.equal(a, b) for a, b in zip(state["model"].state_dict().values(),
+                                                  reference["model"].state_dict().values(), strict=True))
+
+
 def _recording(init, into: list):
     def record(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -908,7 +1012,7 @@ def test_a_state_files_records_are_found_in_one_round_of_small_reads_and_where_a
         view = memoryview(bytearray((tmp_path / f"s{direct}.pt").read_bytes()))
         fetch = _Rounds()
         records, checks = _archive.archive_records_guessed(view, fetch)
-        assert records == _archive.archive_records(view, _single._Read())
+        assert records == _archive.archive_records(view, _archive.Held())
         assert len(fetch.rounds) == 1 and sorted(fetch.rounds[0]) == [(0, _archive.HEAD),
                                                                        (meta["size"] - _archive.TAIL, meta["size"])]
         assert len(checks) == len(records)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 from .reader import Fetch, FileProblem
 
-__all__ = ["HEAD", "TAIL", "Fetching", "LayoutGuess", "archive_records", "archive_records_guessed",
+__all__ = ["HEAD", "TAIL", "Fetching", "Held", "LayoutGuess", "archive_records", "archive_records_guessed",
            "archives_records", "check_guess"]
 
 
@@ -50,6 +50,23 @@ class Fetching:
         data = bytes(self._view[a:b])
         self._pos = max(end, self._pos)
         return data
+
+
+class Held:
+    """What :func:`archives_records` reads through where the buffer already holds the
+    archives' bytes (a file read whole): there is nothing left to read."""
+
+    def __call__(self, start: int, end: int) -> None:
+        pass
+
+    def many(self, ranges: object) -> None:
+        pass
+
+    def done(self) -> None:
+        pass
+
+    def covered(self, start: int, end: int) -> bool:
+        return True
 
 
 TAIL = 64 << 10  # the end of an archive read at once: its directory, unless it has thousands of records

@@ -40,7 +40,7 @@ import torch
 
 from ...errors import CheckpointError
 from . import reader as _reader
-from .archive import LayoutGuess, archive_records, archive_records_guessed, check_guess
+from .archive import Held, LayoutGuess, archive_records, archive_records_guessed, check_guess
 from .device import DeviceCopies, load_copies
 from .direct import BLOCK, address
 from .files import CHECKSUM, HashingWriter
@@ -270,7 +270,7 @@ def _parse(view: memoryview, mapping: Any, records: Mapping[str, tuple[int, int]
     storage = torch.frombuffer(mapping, dtype=torch.uint8, count=view.nbytes).untyped_storage()
     if records is None:
         with contextlib.suppress(FileProblem, zipfile.BadZipFile):
-            records = archive_records(view, _Read())  # type: ignore[arg-type]
+            records = archive_records(view, Held())  # type: ignore[arg-type]
     if records:  # plain state through the C unpickler; any other, from the start, through torch's
         try:
             return _parse_plain(view, storage, records)
@@ -342,20 +342,6 @@ def _fetch_all_but_storages(view: memoryview, fetch: Fetch,
     fetch.many([(start, start + size) for name, (start, size) in records.items()
                 if "/data/" not in name or name.endswith(".pkl")])
     return records, checks
-
-
-class _Read:
-    """What :func:`ftkit.checkpoint.io.archive.archive_records` reads through, for a buffer
-    that holds the whole file: there is nothing left to read."""
-
-    def __call__(self, start: int, end: int) -> None:
-        pass
-
-    def many(self, ranges: Any) -> None:
-        pass
-
-    def covered(self, start: int, end: int) -> bool:
-        return True
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
