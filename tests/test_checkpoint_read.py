@@ -817,6 +817,41 @@ def test_a_staging_buffer_is_read_into_again_only_after_the_copies_out_of_it_ran
     assert results[False] != data[lo:hi]  # the control: without fences the late copies read reused buffers
 
 
+@pytest.mark.parametrize("placers", [1, 3], ids=["one-placer", "three-placers"])
+def test_scatter_progress_says_how_much_of_the_file_is_in_place_while_it_streams(tmp_path, monkeypatch, placers):
+    """A DCP load checks its guessed items while the file still streams, each once its bytes
+    are in the read buffer: ``progress(n)`` must only grow, end at the file's size, and every
+    time it says ``n`` the buffer holds the file's bytes below ``n`` (those not sent to a target),
+    however many threads place the pieces, in whatever order they finish."""
+    monkeypatch.setattr(_reader, "CHUNK", 64 << 10)
+    monkeypatch.setattr(_reader, "SUB", 64 << 10)
+    monkeypatch.setattr(_reader, "STAGING", 8 * (64 << 10))
+    data = random.Random(5).randbytes(40 * (64 << 10) + 333)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    target = bytearray(64 << 10)
+    lo, hi = 3 * (64 << 10) + 100, 4 * (64 << 10) + 100  # one range to a target, across two pieces
+    held: dict[str, memoryview] = {}
+    said: list[int] = []
+    wrong: list[int] = []
+
+    def plan(mapping, view, fetch):
+        held["view"] = view
+        return [(lo, hi, memoryview(target))]
+
+    def progress(n):
+        view = held["view"]
+        below = [(0, min(n, lo)), (hi, n)] if n > hi else [(0, min(n, lo))]
+        if any(bytes(view[a:b]) != data[a:b] for a, b in below if b > a):
+            wrong.append(n)
+        said.append(n)
+
+    _reader.scatter_file(path, _entry(path), plan, placers=lambda: placers, progress=progress)
+    assert not wrong, wrong
+    assert said == sorted(said) and len(set(said)) == len(said) and said[-1] == len(data)
+    assert bytes(target) == data[lo:hi]
+
+
 def test_the_zip_directory_read_directly_is_zipfiles_or_is_left_to_it(tmp_path):
     """The directories of the archives a load reads (``torch.save``'s, several back to back as
     in a ``.distcp`` file) are parsed from their last bytes without :mod:`zipfile`, record for

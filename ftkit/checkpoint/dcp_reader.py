@@ -457,6 +457,32 @@ class StreamingReader(dcp.FileSystemReader):
         return tensor, records[key]
 
 
+class _Progress:
+    """How much of a file :func:`ftkit.checkpoint.io.reader.scatter_file` has placed, for a
+    thread that looks at the bytes while the read goes on."""
+
+    def __init__(self) -> None:
+        self._turn = threading.Condition()
+        self._upto = 0
+        self._ended = False
+
+    def __call__(self, upto: int) -> None:
+        with self._turn:
+            self._upto = max(self._upto, upto)
+            self._turn.notify_all()
+
+    def end(self) -> None:
+        with self._turn:
+            self._ended = True
+            self._turn.notify_all()
+
+    def wait(self, upto: int) -> int:
+        """How many of the file's first bytes are placed, once ``upto`` are or the read ended."""
+        with self._turn:
+            self._turn.wait_for(lambda: self._upto >= upto or self._ended)
+            return self._upto
+
+
 class _Cancelled(Exception):
     """The load stopped before it said what it wants from a file read early."""
 
@@ -480,6 +506,8 @@ class _FileRead:
         self._reader, self.name, self._spans, self._values, self._shapes = reader, name, spans, values, shapes
         self._found: dict[int, tuple[torch.Tensor, int]] = {}
         self._guessed: list[tuple[int, int]] = []  # items whose places were guessed, not read
+        self._progress = _Progress()
+        self._view: memoryview | None = None  # the read buffer, once the read began
         self._values_read: list[tuple[Any, memoryview]] = []  # (item, its bytes) read with the headers
         self.planned = threading.Event()
         """The read knows where the bytes go (:meth:`give`'s planner is done with), or ended."""
@@ -510,7 +538,8 @@ class _FileRead:
             with load_copies(chunk=CHUNK, count=STAGING // CHUNK) as self._copies:
                 self._result = scatter_file(self.path, self._meta, self._plan, verify=self._reader._verify,
                                             direct=self._reader._direct,
-                                            stages=self._copies.stages() if self._copies is not None else None)
+                                            stages=self._copies.stages() if self._copies is not None else None,
+                                            progress=self._progress)
         except FileProblem as exc:
             self._error = CorruptFile(f"{self._reader._root.parent}: {exc}")
             self._error.__cause__ = exc
@@ -519,6 +548,7 @@ class _FileRead:
         finally:
             self.headers_read.set()
             self.planned.set()
+            self._progress.end()
 
     def _parse(self, view: memoryview, fetch: Fetch, spans: list[tuple[int, int]],
                values: Sequence[tuple[int, int]] = (), shapes: Mapping[int, Shape] | None = None,
@@ -552,8 +582,10 @@ class _FileRead:
             raise _Cancelled(f"{self.path}: the load stopped before it read this file")
         items, planner = wanted
         if not items:
+            self._guessed = []  # nothing placed, nothing to check
             self.planned.set()
             return None  # nothing of it wanted here: checked as it streams, nothing kept
+        self._view = view
         storage = self._reader.storage_data
         tensors = []
         for item in items:
@@ -594,19 +626,43 @@ class _FileRead:
         self.planned.set()
         return targets
 
+    def _check_as_read(self) -> _GuessWrong | None:
+        """Check the guessed items (:func:`_check_guesses`) as the read places them, each once
+        its last byte is placed, while the rest of the file streams: the first one that is not
+        where it was taken to be (its tensor got bytes from the wrong place), else None. Stops
+        where the read ended short (its error says why)."""
+        if not self._guessed or self._view is None:
+            return None
+        pending = sorted(self._guessed, key=lambda span: span[1])
+        k = 0
+        while k < len(pending):
+            upto = self._progress.wait(pending[k][1])
+            j = k
+            while j < len(pending) and pending[j][1] <= upto:
+                j += 1
+            if j == k:
+                return None
+            try:
+                _check_guesses(self._view, pending[k:j], self._found, str(self.path))
+            except _GuessWrong as exc:
+                return exc
+            k = j
+        return None
+
     def finish(self, planner: LoadPlanner) -> None:
         """Hand DCP the values read with the headers while the bulk streams, wait for the read,
         then hand it every other item it wanted from the file."""
         self.planned.wait()
         for item, value in self._values_read:  # the bulk rewrites these bytes with the same ones
             planner.load_bytes(item, io.BytesIO(bytes(value)))
+        wrong = self._check_as_read()
         self.wait()
-        if self._error is not None:
+        if self._error is not None:  # a corrupt file is that, whatever its items looked like
             raise self._error
+        if wrong is not None:
+            raise wrong
         assert self._result is not None
         mapping, view = self._result
-        if self._guessed:  # the file is read: were its items where they were taken to be?
-            _check_guesses(view, self._guessed, self._found, str(self.path))
         for item, how, what in self._after:
             if how == "bytes":
                 planner.load_bytes(item, io.BytesIO(bytes(view[what[0] : what[1]])))

@@ -435,6 +435,7 @@ def scatter_file(
     direct: bool | None = None,
     stages: list[memoryview] | None = None,
     placers: Callable[[], int] | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> tuple[Any, memoryview]:
     """Read ``path`` once, each piece to where ``plan`` wants it; ``(mapping, view)`` as
     :func:`read_file`, with the bytes ``plan`` sent elsewhere left unread (zero) in it.
@@ -450,7 +451,9 @@ def scatter_file(
     piece checksummed and copied to its targets and the rest into ``view``. Raises
     :class:`FileProblem` as :func:`read_file`; by then the targets hold the file's (wrong)
     bytes. ``placers()``, asked once ``plan`` returned: how many threads checksum and place
-    (:data:`WORKERS`; :data:`FRESH_WORKERS` suits targets mostly in fresh memory)."""
+    (:data:`WORKERS`; :data:`FRESH_WORKERS` suits targets mostly in fresh memory).
+    ``progress(n)``, on a placing thread whenever it grows: the file's first ``n`` bytes are
+    placed (those for ``view`` are in it), so the caller may look at them before the read ends."""
     name = path.name
     size, want = _expected(name, meta)
     mapping, whole = read_buffer(size)
@@ -500,7 +503,23 @@ def scatter_file(
                     pos = hi
             return fence
 
-        return during, place
+        if progress is None:
+            return during, place
+        placed: dict[int, int] = {}  # start -> end of the parts placed beyond the first gap
+        upto = [0]
+        lock = threading.Lock()
+
+        def place_and_tell(lo: int, src: int, n: int) -> Fence | None:
+            fence = place(lo, src, n)
+            with lock:
+                placed[lo] = lo + n
+                if upto[0] in placed:
+                    while upto[0] in placed:
+                        upto[0] = placed.pop(upto[0])
+                    progress(upto[0])
+            return fence
+
+        return during, place_and_tell
 
     crc = _staged(path, name, size, direct=direct, cache=False, prepare=prepare, stages=stages, placers=placers)
     if verify:
