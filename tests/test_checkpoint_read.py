@@ -601,39 +601,6 @@ def test_a_dcp_item_not_where_its_layout_was_guessed_is_noticed_and_the_file_rea
         assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(want[k])) for k, v in st.items())
 
 
-def test_a_held_dcp_prefetch_reads_only_headers_until_released(tmp_path, monkeypatch):
-    """Ranks that share a device start their bulk reads only once every rank's small reads are
-    done (queued behind a bulk, a read of a few KiB waits for tens of MiB): ``prefetch(hold=True)``
-    reads the items' headers and returns, and no bulk read of the file is made until
-    ``release()``; then the file streams and the load gives DCP's own reader's state."""
-    from ftkit.checkpoint.dcp import load_sharded, sharded_keys
-    from ftkit.checkpoint.dcp_reader import StreamingReader
-    from ftkit.checkpoint.format.manifest import validate_dir
-    from tests.ckpt_helpers import build_state
-
-    root = tmp_path / "ck"
-    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], 2)
-    step = root / "step-00000007"
-    reference, _ = build_state()
-    assert make_mgr(root).load(reference, step=7) == 7
-    state, _ = build_state()
-    reads = _spy_reads(monkeypatch)
-    reader = StreamingReader(step / "dcp", validate_dir(step).files, rank=0, world_size=2)
-    own = (step / "dcp" / sorted(p.name for p in (step / "dcp").glob("__0_*.distcp"))[0]).stat().st_ino
-    try:
-        reader.prefetch(hold=True)
-        assert [r for r in reads.small if r[0] == own]  # its headers: read before prefetch returned
-        time.sleep(0.5)  # time enough for a bulk read to start, were it free to
-        assert not [r for r in reads.bulk if r[0] == own]
-        reader.release()
-        load_sharded(state, sharded_keys(state), step, reader=reader)
-    finally:
-        reader.close()
-    assert [r for r in reads.bulk if r[0] == own]
-    assert all(torch.equal(a, b) for a, b in zip(state["model"].state_dict().values(),
-                                                  reference["model"].state_dict().values(), strict=True))
-
-
 def _recording(init, into: list):
     def record(self, *args, **kwargs):
         init(self, *args, **kwargs)

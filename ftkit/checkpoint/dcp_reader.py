@@ -256,8 +256,6 @@ class StreamingReader(dcp.FileSystemReader):
         self._early: dict[str, _FileRead] = {}
         self._values: dict[tuple[str, int], bytes] = {}  # (file, offset) -> an item of another rank's file
         self._metadata: Metadata | None = None
-        self._bulk = threading.Event()  # the files read early may stream (prefetch(hold=True) clears it)
-        self._bulk.set()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's ``.metadata``, read once per load (the early read, the state keys and DCP's
@@ -282,7 +280,7 @@ class StreamingReader(dcp.FileSystemReader):
             self._metadata = metadata
         return self._metadata
 
-    def prefetch(self, *, hold: bool = False) -> None:
+    def prefetch(self) -> None:
         """Start reading the first file this rank reads whole now, on a thread of its own,
         before DCP has planned the load (its metadata read, a few collectives). The items'
         headers are read before this returns (alone: queued behind a bulk read, each small
@@ -290,14 +288,7 @@ class StreamingReader(dcp.FileSystemReader):
         Linux's mq-deadline); then the bulk of the file streams into the staging buffers while
         the headers are parsed and DCP plans, and ``read_data`` only has to say where the
         tensors go. Without it (or when the metadata cannot be read here) the file is read when
-        ``read_data`` asks. :meth:`close` stops it if the load never gets there.
-
-        ``hold``: the bulk waits for :meth:`release` (or ``read_data``): ranks sharing a device
-        release it once every rank's prefetch returned (an agreement they make anyway), so that
-        no rank's small reads queue behind another's bulk (64 MiB ahead of them: ~35 ms on a
-        disk that reads 2 GB/s, for a read of a few KiB)."""
-        if hold:
-            self._bulk.clear()
+        ``read_data`` asks. :meth:`close` stops it if the load never gets there."""
         try:
             metadata = self.read_metadata()
         except CheckpointError:  # a corrupt file, or one the manifest lacks: the load stops here
@@ -348,13 +339,8 @@ class StreamingReader(dcp.FileSystemReader):
                 continue
             self._values.update({(name, a): value for (a, _), value in got.items()})
 
-    def release(self) -> None:
-        """Let the files :meth:`prefetch` ``hold`` began stream their bulk."""
-        self._bulk.set()
-
     def close(self) -> None:
         """Stop and join the reads :meth:`prefetch` started that ``read_data`` did not take."""
-        self._bulk.set()
         early, self._early = self._early, {}
         for read in early.values():
             read.cancel()
@@ -369,7 +355,6 @@ class StreamingReader(dcp.FileSystemReader):
         return match is None or int(match.group(1)) % self._world == self._rank
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        self._bulk.set()
         per_file: dict[str, list[Any]] = {}
         plain = False
         for item in plan.items:
@@ -568,11 +553,9 @@ class _FileRead:
                 for (start, _), (pickle_bytes, records) in zip(spans, archives, strict=True)}
 
     def _small_reads_done(self, fetch: Fetch) -> None:
-        """The headers are read: :meth:`StreamingReader.prefetch` may return, and the bulk
-        streams once the reader lets it (:meth:`StreamingReader.release`)."""
-        self.headers_read.set()
-        self._reader._bulk.wait()
+        """The headers are read: the bulk may stream, and :meth:`StreamingReader.prefetch` return."""
         fetch.done()
+        self.headers_read.set()
 
     def _plan(self, mapping: Any, view: memoryview, fetch: Fetch) -> list[Target] | None:
         # with spans, the headers are read and parsed and the bulk streams while DCP plans

@@ -226,8 +226,6 @@ class Checkpointer(CheckpointManager):
             early = self._start_read(path, info) if direct and not problem else None
             try:
                 problem = self._agree(problem or (early.problem if early is not None else ""))
-                if early is not None:  # every rank's small reads are done: the bulk reads may start
-                    early.reader.release()
                 found = time.monotonic()
                 if not problem:
                     problem = self._try_load(state, path, info, into_live=direct, early=early)
@@ -312,9 +310,7 @@ class Checkpointer(CheckpointManager):
         try:
             state_file = read_state_bytes(path, early.name, info.files[early.name],
                                           verify=self.config.verify_on_load, direct=self.config.direct_io)
-            # after the small read above, which would queue behind its bulk; the bulk itself
-            # waits for the agreement below: by then no rank has a small read left to queue behind it
-            reader.prefetch(hold=self.comm.distributed)
+            reader.prefetch()  # after the small read above, which would queue behind its bulk
             early.payload = parse_state_file(path / early.name, state_file)
             early.available = set(early.payload["state"]) | saved_keys(path, reader)
         except Exception as exc:  # this rank's problem: every rank skips the checkpoint (none may hang)
