@@ -82,6 +82,7 @@ _FILE = re.compile(r"__(\d+)_\d+\.distcp$")  # DCP's file of the rank that wrote
 _METADATA = ".metadata"  # DCP's metadata file (FileSystemWriter's name)
 _ITEM_TAIL = 4 << 10  # the end of one item's archive: a directory of a few records and its end record
 _ALIGN = 64  # torch.save starts each record's data at a multiple of this from the archive's start
+_ZIP64 = 0xFFFFFFFF  # a storage this large gets zip64 fields in its archive (another layout)
 _HEADER = 30  # a zip local header's fixed part: no record's data begins before it
 
 
@@ -176,10 +177,11 @@ def _guess_items(view: memoryview, fetch: Fetch, spans: list[tuple[int, int]], s
                  ) -> tuple[dict[int, tuple[torch.Tensor, int]], list[tuple[int, int]]] | None:
     """Item start -> (its tensor on ``meta``, the file offset of its storage bytes) for every
     item at ``spans``, reading and parsing only a reference item per storage size modulo
-    :data:`_ALIGN` (the smallest; with ``values``, in one round of small reads); and the
-    items whose places were guessed, to check once the file is read (:func:`_check_guesses`).
-    None where the references rule the guess out (a tensor not as the metadata says, an item
-    the metadata does not size): the caller reads every item's headers."""
+    :data:`_ALIGN` (the smallest; with ``values``, in one round of small reads; storages of
+    4 GiB or more apart: their archives have zip64 fields); and the items whose places were
+    guessed, to check once the file is read (:func:`_check_guesses`). None where the
+    references rule the guess out (a tensor not as the metadata says, an item the metadata
+    does not size): the caller reads every item's headers."""
     sized: dict[tuple[int, int], tuple[torch.dtype, tuple[int, ...], int]] = {}
     for start, end in spans:
         shape = shapes.get(start)
@@ -189,27 +191,31 @@ def _guess_items(view: memoryview, fetch: Fetch, spans: list[tuple[int, int]], s
         if nbytes == 0:
             return None
         sized[(start, end)] = (*shape, nbytes)
-    refs: dict[int, tuple[int, int]] = {}  # storage size modulo _ALIGN -> its smallest item
+
+    def kind(nbytes: int) -> tuple[int, bool]:
+        return nbytes % _ALIGN, nbytes >= _ZIP64
+
+    refs: dict[tuple[int, bool], tuple[int, int]] = {}  # kind of storage size -> its smallest item
     for span in spans:
-        kind = sized[span][2] % _ALIGN
-        if kind not in refs or span[1] - span[0] < refs[kind][1] - refs[kind][0]:
-            refs[kind] = span
+        k = kind(sized[span][2])
+        if k not in refs or span[1] - span[0] < refs[k][1] - refs[k][0]:
+            refs[k] = span
     read = sorted(refs.values())
     found: dict[int, tuple[torch.Tensor, int]] = {}
-    tails: dict[int, int] = {}  # storage size modulo _ALIGN -> bytes from the storage's end to the item's
+    tails: dict[tuple[int, bool], int] = {}  # kind of storage size -> bytes from the storage's end to the item's
     for span, (pickle_bytes, records) in zip(read, _archives(view, fetch, read, where, values), strict=True):
         tensor, at = StreamingReader._item(pickle_bytes, records, f"{where} item at byte {span[0]}")
         dtype, sizes, nbytes = sized[span]
         if not _as_described(tensor, dtype, sizes):
             return None
         found[span[0]] = (tensor, at)
-        tails[nbytes % _ALIGN] = span[1] - (at + nbytes)
+        tails[kind(nbytes)] = span[1] - (at + nbytes)
     guessed = []
     for span in spans:
         if span[0] in found:
             continue
         dtype, sizes, nbytes = sized[span]
-        at = span[1] - tails[nbytes % _ALIGN] - nbytes
+        at = span[1] - tails[kind(nbytes)] - nbytes
         if at < span[0] + _HEADER:
             return None
         found[span[0]] = (_chunk(dtype, sizes), at)
