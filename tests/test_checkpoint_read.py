@@ -436,28 +436,36 @@ def test_a_corrupt_newest_read_into_the_live_state_with_a_corrupt_older_one_refu
         make_mgr(root).load(_state(9))
 
 
+def _dcp_reference_and_live(root) -> tuple[dict, dict]:
+    """Step 7 of ``root`` as DCP's own reader loads it (an explicit step), and a live state of
+    the same shapes whose values all differ from it (nothing of them may survive a load)."""
+    from tests.ckpt_helpers import build_state
+
+    reference, _ = build_state()
+    assert make_mgr(root).load(reference, step=7) == 7  # an explicit step: DCP's own reader
+    state, _ = build_state()
+    with torch.no_grad():
+        for p in state["model"].parameters():
+            p.add_(1.0)
+    return reference, state
+
+
 def test_a_dcp_checkpoint_is_read_once_per_file_straight_into_the_live_tensors(tmp_path, monkeypatch, caplog):
     """A two-rank DCP checkpoint (with an older one to fall back on), loaded in one process:
     every ``.distcp`` file is read once, with O_DIRECT, checked as it arrives, its tensors
     straight into the live model and optimizer; the state equals DCP's own reader's."""
     from ftkit.checkpoint import dcp_reader as _dcp_reader
-    from tests.ckpt_helpers import build_state
 
     root = tmp_path / "ck"
     run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], 2)
     run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], 2)
     distcp = sorted((root / "step-00000007" / "dcp").glob("*.distcp"))
     assert len(distcp) == 2
-    reference, _ = build_state()
-    assert make_mgr(root).load(reference, step=7) == 7  # an explicit step: DCP's own reader
+    reference, state = _dcp_reference_and_live(root)
     reads = _spy_reads(monkeypatch)
     readers = []
     monkeypatch.setattr(_dcp_reader.StreamingReader, "__init__", _recording(_dcp_reader.StreamingReader.__init__,
                                                                              readers))
-    state, _ = build_state()
-    with torch.no_grad():  # nothing of the initial values may survive the load
-        for p in state["model"].parameters():
-            p.add_(1.0)
     before = [p.data_ptr() for p in state["model"].parameters()]
     with caplog.at_level("INFO", logger="ftkit.checkpoint.dcp_reader"):
         assert make_mgr(root).load(state) == 7
@@ -491,17 +499,11 @@ def test_a_rank_reads_its_own_dcp_file_whole_and_the_values_in_anothers_in_small
     from ftkit.checkpoint.dcp import load_sharded, sharded_keys
     from ftkit.checkpoint.dcp_reader import StreamingReader
     from ftkit.checkpoint.format.manifest import validate_dir
-    from tests.ckpt_helpers import build_state
 
     root = tmp_path / "ck"
     run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], 2)
     step = root / "step-00000007"
-    reference, _ = build_state()
-    assert make_mgr(root).load(reference, step=7) == 7  # an explicit step: DCP's own reader
-    state, _ = build_state()
-    with torch.no_grad():
-        for p in state["model"].parameters():
-            p.add_(1.0)
+    reference, state = _dcp_reference_and_live(root)
     for group in state["optimizer"].param_groups:
         group["lr"], group["betas"] = 123.0, (0.5, 0.25)
     reads = _spy_reads(monkeypatch)
@@ -576,20 +578,13 @@ def test_a_dcp_item_not_where_its_layout_was_guessed_is_noticed_and_the_file_rea
     the checkpoint's (as DCP's own reader gives it), not the older one's nor a shifted one."""
     import logging
 
-    from tests.ckpt_helpers import build_state
-
     root = tmp_path / "ck"
     run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], 2)
     run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], 2)
     step = root / "step-00000007"
     name = sorted(p.name for p in (step / "dcp").glob("__0_*.distcp"))[0]
     _grow_dcp_item(step, name, 40)
-    reference, _ = build_state()
-    assert make_mgr(root).load(reference, step=7) == 7  # an explicit step: DCP's own reader
-    state, _ = build_state()
-    with torch.no_grad():
-        for p in state["model"].parameters():
-            p.add_(1.0)
+    reference, state = _dcp_reference_and_live(root)
     with caplog.at_level(logging.INFO, logger="ftkit.checkpoint.dcp_reader"):
         assert make_mgr(root).load(state) == 7
     assert f"{name}: the item at byte" in caplog.text and "reading it again, its items' headers first" in caplog.text
