@@ -19,9 +19,10 @@ the 952 items of a rank's 1.5 GB). So only one item per storage size modulo torc
 alignment is read and parsed first (a bias, a step counter): the others' records lie as its
 do, counted back from the item's end, so each item's storage is taken to end where that
 reference's tail begins, and its tensor to be the contiguous chunk DCP's metadata describes.
-Once the file is read, each guessed item's directory and pickle (in the read buffer by then)
-are parsed and compared with the guess; where one differs, the tensors got bytes from the
-wrong places and the file is read again, every item's headers first.
+As the file streams, each guessed item's directory and pickle are parsed from the read buffer
+once the item's last byte is placed there, and compared with the guess; where one differs,
+the tensors got bytes from the wrong places and the file is read again, every item's headers
+first.
 
 Items that are not one contiguous range of the file into one contiguous CPU tensor (a
 resharded read of a non-leading dimension, a strided view) take the plain route: their bytes
@@ -179,7 +180,7 @@ def _guess_items(view: memoryview, fetch: Fetch, spans: list[tuple[int, int]], s
     item at ``spans``, reading and parsing only a reference item per storage size modulo
     :data:`_ALIGN` (the smallest; with ``values``, in one round of small reads; storages of
     4 GiB or more apart: their archives have zip64 fields); and the items whose places were
-    guessed, to check once the file is read (:func:`_check_guesses`). None where the
+    guessed, to check as the file is read (:func:`_check_guesses`). None where the
     references rule the guess out (a tensor not as the metadata says, an item the metadata
     does not size): the caller reads every item's headers."""
     sized: dict[tuple[int, int], tuple[torch.dtype, tuple[int, ...], int]] = {}
@@ -489,7 +490,7 @@ class _FileRead:
     (its other items: small pickled values, such as an optimizer's hyperparameters) are read
     with the headers, so that DCP gets them while the bulk streams, not after it. ``shapes``
     (item start -> dtype and chunk sizes, from the metadata): the items' places are guessed
-    from a few of them (:func:`_guess_items`) and checked once the file is read (:meth:`finish`
+    from a few of them (:func:`_guess_items`) and checked as the file streams (:meth:`finish`
     raises :class:`_GuessWrong` if one was wrong)."""
 
     def __init__(self, reader: StreamingReader, name: str, spans: list[tuple[int, int]] | None,
@@ -551,17 +552,14 @@ class _FileRead:
         guess = _guess_items(view, fetch, spans, shapes, values, where) if shapes else None
         if guess is not None:
             self._found, self._guessed = guess
-            self._small_reads_done(fetch)
+            fetch.done()
+            self.headers_read.set()
             return dict(self._found)
         archives = _archives(view, fetch, spans, where, values)
-        self._small_reads_done(fetch)
-        return {start: StreamingReader._item(pickle_bytes, records, f"{where} item at byte {start}")
-                for (start, _), (pickle_bytes, records) in zip(spans, archives, strict=True)}
-
-    def _small_reads_done(self, fetch: Fetch) -> None:
-        """The headers are read: the bulk may stream, and :meth:`StreamingReader.prefetch` return."""
         fetch.done()
         self.headers_read.set()
+        return {start: StreamingReader._item(pickle_bytes, records, f"{where} item at byte {start}")
+                for (start, _), (pickle_bytes, records) in zip(spans, archives, strict=True)}
 
     def _plan(self, mapping: Any, view: memoryview, fetch: Fetch) -> list[Target] | None:
         # with spans, the headers are read and parsed and the bulk streams while DCP plans

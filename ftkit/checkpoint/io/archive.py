@@ -62,9 +62,6 @@ class Held:
     def many(self, ranges: object) -> None:
         pass
 
-    def done(self) -> None:
-        pass
-
     def covered(self, start: int, end: int) -> bool:
         return True
 
