@@ -436,6 +436,64 @@ def test_a_corrupt_newest_read_into_the_live_state_with_a_corrupt_older_one_refu
         make_mgr(root).load(_state(9))
 
 
+def test_a_lazy_module_not_yet_run_resumes_from_the_newest_checkpoint(tmp_path):
+    """A model with a lazy layer, resumed in a fresh process: its parameters have no shape
+    before the first forward, so none is a live tensor to read into; the newest checkpoint
+    is read into memory of its own (not skipped as unreadable) and the module takes it."""
+    root = tmp_path / "ck"
+    mgr = make_mgr(root, keep_last=None)
+    for step in (1, 2):
+        net = torch.nn.Sequential(torch.nn.LazyLinear(8), torch.nn.Linear(8, 2))
+        net(torch.randn(3, 5))
+        with torch.no_grad():
+            for t in net.parameters():
+                t.fill_(step)
+        mgr.save(step, {"model": net})
+    net = torch.nn.Sequential(torch.nn.LazyLinear(8), torch.nn.Linear(8, 2))
+    assert make_mgr(root).load({"model": net}) == 2
+    assert net[0].weight.shape == (8, 5) and torch.equal(net[0].weight, torch.full((8, 5), 2.0))
+
+
+def test_live_tensors_the_reader_cannot_write_into_get_the_saved_values_by_a_copy(tmp_path):
+    """A conjugated view (its memory holds the conjugates) and the moments of a channels_last
+    weight (another layout than the file's): each is read into memory of its own, checked,
+    then copied into the live tensor, which the optimizer keeps (nothing allocated in its place)."""
+    root = tmp_path / "ck"
+    mgr = make_mgr(root, keep_last=None)
+
+    def state(seed: int) -> dict:
+        torch.manual_seed(seed)
+        conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+        opt = torch.optim.Adam(conv.parameters(), lr=0.1)
+        conv(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)).sum().backward()
+        opt.step()
+        return {"model": conv, "optimizer": opt, "z": {"c": torch.randn(16, dtype=torch.complex64).conj()}}
+
+    mgr.save(1, state(1))
+    saved = state(2)
+    mgr.save(2, saved)
+    live = state(3)
+    moments = [v for st in live["optimizer"].state.values() for v in st.values() if v.dim() == 4]
+    assert moments and all(not m.is_contiguous() for m in moments)
+    before = [m.data_ptr() for m in moments]
+    assert make_mgr(root).load(live) == 2
+    assert live["z"]["c"].is_conj() and torch.equal(live["z"]["c"].resolve_conj(), saved["z"]["c"].resolve_conj())
+    assert [v.data_ptr() for st in live["optimizer"].state.values() for v in st.values() if v.dim() == 4] == before
+    for got, want in zip(live["optimizer"].state.values(), saved["optimizer"].state.values(), strict=True):
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    assert all(torch.equal(a, b) for a, b in zip(live["model"].parameters(), saved["model"].parameters(), strict=True))
+
+
+def test_tensors_sharing_a_storage_read_into_memory_of_their_own_keep_every_byte(tmp_path):
+    """Views of one storage, one of them inside another but not next to it: the bytes they
+    share stay in the read buffer, so the view around them reads them all."""
+    whole = torch.arange(1 << 20, dtype=torch.float32)  # far larger than the headers' small reads
+    parts = {"a": whole, "b": whole[1000:2000], "c": whole[500_000:501_000]}
+    entry = write_state_file(tmp_path, "f.pt", parts)
+    got = _single.read_state_into(tmp_path, "f.pt", entry, lambda payload: {})
+    assert all(torch.equal(got[k], v) for k, v in parts.items())
+
+
 def _dcp_reference_and_live(root) -> tuple[dict, dict]:
     """Step 7 of ``root`` as DCP's own reader loads it (an explicit step), and a live state of
     the same shapes whose values all differ from it (nothing of them may survive a load)."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import inspect
+import itertools
 import logging
 import pickle
 import sys
@@ -390,6 +391,8 @@ def tensor_memory(t: torch.Tensor) -> memoryview:
 def placeable(t: torch.Tensor, copies: DeviceCopies | None) -> bool:
     """Whether the reader can put a file's bytes straight into ``t``: host memory, or a CUDA
     tensor's when the load has ``copies`` (:func:`ftkit.checkpoint.io.device.load_copies`)."""
+    if t.is_conj() or t.is_neg():  # a lazily conjugated or negated view: its memory holds other values
+        return False
     return t.device.type == "cpu" or (t.device.type == "cuda" and copies is not None)
 
 
@@ -455,8 +458,10 @@ def _read_state_into(directory: Path, name: str, meta: Mapping[str, Any],
         if not isinstance(payload, dict) or payload.get("format") != FILE_FORMAT:
             raise FileProblem(f"{name} is not an {FILE_FORMAT} file")
         base = address(view)
-        wanted = targets(payload) if base is not None else {}
-        aims: list[tuple[int, int, int, torch.Tensor]] = []
+        wanted = _live_side(targets, payload, path) if base is not None else {}
+        # (start, end, id of the payload's tensor, memory its bytes go to, live tensor to copy
+        # them into once the file is read and checked: one the reader cannot write into)
+        aims: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]] = []
         swap: dict[int, torch.Tensor] = {}
         for saved in _tensors(payload):
             if base is None or not saved.is_contiguous():
@@ -465,19 +470,24 @@ def _read_state_into(directory: Path, name: str, meta: Mapping[str, Any],
                 swap[id(saved)] = _fresh(saved)
                 continue
             live = wanted.get(id(saved))
-            if (live is None or not placeable(live, copies) or saved.shape != live.shape
-                    or saved.dtype != live.dtype or not live.is_contiguous()):
+            later = None
+            if live is None or saved.shape != live.shape or saved.dtype != live.dtype:
                 # no live tensor takes it: memory of its own (the load keeps it), not the buffer
                 live = _fresh(saved)
                 holder["fresh"] += saved.numel() * saved.element_size()
+            elif not (placeable(live, copies) and live.is_contiguous()):
+                # a live tensor of another layout (a channels_last weight's moments, a conj
+                # view): read into memory of its own, copied into it once the file checks out
+                live, later = _fresh(saved), live
             start = saved.data_ptr() - base
-            aims.append((start, start + saved.numel() * saved.element_size(), id(saved), live))
+            aims.append((start, start + saved.numel() * saved.element_size(), id(saved), live, later))
         aims.sort(key=lambda a: a[0])
         # bytes that two payload tensors share (views of one storage) go to the buffer
-        alone = [a for i, a in enumerate(aims)
-                 if (i == 0 or aims[i - 1][1] <= a[0]) and (i + 1 == len(aims) or a[1] <= aims[i + 1][0])]
-        swap.update({a[2]: a[3] for a in alone})
+        reach = list(itertools.accumulate((a[1] for a in aims), max, initial=0))  # reach[i]: aims[:i]'s end
+        alone = [a for i, a in enumerate(aims) if reach[i] <= a[0] and (i + 1 == len(aims) or a[1] <= aims[i + 1][0])]
+        swap.update({a[2]: a[4] if a[4] is not None else a[3] for a in alone})
         holder["swap"] = swap
+        holder["later"] = [(a[3], a[4]) for a in alone if a[4] is not None]
         holder["owned"] = len(swap) == len(_tensors(payload))
         return [(a[0], a[1], destination(a[3], copies)) for a in alone]
 
@@ -497,6 +507,22 @@ def _read_state_into(directory: Path, name: str, meta: Mapping[str, Any],
             raise
         except Exception as exc:
             raise CheckpointError(f"cannot load {path}: {exc}") from exc
+    with torch.no_grad():
+        for fresh, live in holder["later"]:
+            live.copy_(fresh)
     payload = _substitute(holder["payload"], holder["swap"])
     payload["owned"] = holder["owned"]
     return payload
+
+
+def _live_side(targets: Callable[[dict[str, Any]], Mapping[int, torch.Tensor]], payload: dict[str, Any],
+               path: Path) -> Mapping[int, torch.Tensor]:
+    """``targets(payload)``; none where naming them fails. That is the live state's doing (a
+    ``state_dict()`` that raises, a tensor of a kind not foreseen), not the file's: the file
+    is read into memory of its own, and the restore meets the live state's problem itself."""
+    try:
+        return targets(payload)
+    except Exception as exc:
+        log.info("%s: no live tensors to read it into (%s: %s); reading it into memory of its own",
+                 path, type(exc).__name__, exc)
+        return {}

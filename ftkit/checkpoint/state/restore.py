@@ -20,10 +20,11 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from .snapshot import is_stateful
 
-__all__ = ["clone_tensors", "live_targets", "own_tensors", "restore_state"]
+__all__ = ["clone_tensors", "live_targets", "own_tensors", "reachable_tensors", "restore_state"]
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +130,28 @@ def live_targets(state: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[int
     return out
 
 
+def reachable_tensors(value: Any) -> list[torch.Tensor]:
+    """Every tensor a live value holds: its own, a stateful object's ``state_dict()``'s (a
+    module's parameters and buffers, an optimizer's moments), those in dicts, lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        return [] if is_lazy(value) else [value]
+    if is_stateful(value):
+        return reachable_tensors(value.state_dict())
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in reachable_tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in reachable_tensors(v)]
+    return []
+
+
 def _same_kind(live: Any, saved: Any) -> bool:
-    """Both tensors, same shape and dtype: the saved one is copied into the live one."""
+    """Both tensors, same shape and dtype: the saved one is copied into the live one. Not a
+    lazy module's parameter before its first forward (it has no shape yet: its module's
+    ``load_state_dict`` gives it the saved one's)."""
     return (
         isinstance(live, torch.Tensor)
         and isinstance(saved, torch.Tensor)
+        and not is_lazy(live)
         and live.shape == saved.shape
         and live.dtype == saved.dtype
     )
