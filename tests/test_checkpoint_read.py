@@ -436,6 +436,84 @@ def test_a_corrupt_newest_read_into_the_live_state_with_a_corrupt_older_one_refu
         make_mgr(root).load(_state(9))
 
 
+def _grown(value: float, *, b: bool, ema: bool) -> dict:
+    """A state whose later checkpoints hold more: a dict entry ``b``, a module ``ema``."""
+    state: dict = {"stats": {"a": torch.full((4096,), value)}}
+    if b:
+        state["stats"]["b"] = torch.full((4096,), value)
+    if ema:
+        state["ema"] = torch.nn.Linear(64, 64)
+        with torch.no_grad():
+            for t in state["ema"].parameters():
+                t.fill_(value)
+    return state
+
+
+@pytest.mark.parametrize("older_lacks,config,said", [
+    ("b", {}, r"state\['stats'\] \(1 tensor\) still hold its bytes"),
+    ("ema", {"allow_missing": ("ema",)}, r"state\['ema'\] \(2 tensors\) still hold its bytes"),
+    ("ema", {}, r"loading .*step-00000001 instead failed \(checkpoint .* has no state\['ema'\]"),
+], ids=["a-dict-entry", "an-allowed-missing-key", "a-refused-missing-key"])
+def test_a_corrupt_newest_read_into_entries_the_older_one_lacks_stops_the_load(tmp_path, older_lacks, config, said):
+    """The newest checkpoint, read straight into the live tensors, fails its checksum, and the
+    older one has nothing for some of them (an entry added since, an ``allow_missing`` key):
+    loading it would leave the corrupt bytes there, under the older step's name. The load
+    stops naming them; with the corrupt one moved away, those entries are as initialised."""
+    root = tmp_path / "ck"
+    mgr = make_mgr(root, keep_last=None, **config)
+    mgr.save(1, _grown(1.0, b=older_lacks != "b", ema=older_lacks != "ema"))
+    mgr.save(2, _grown(2.0, b=True, ema=True))
+    _flip(root / "step-00000002" / "rank-00000.pt", 0.5)
+    live = _grown(0.0, b=True, ema=True)
+    with pytest.raises(CheckpointError, match=r"step-00000002 was found corrupt while it was read into the live "
+                                              rf"state, and .*{said}.*Move .*step-00000002 out of"):
+        make_mgr(root, **config).load(live)
+
+    shutil.move(root / "step-00000002", tmp_path / "step-00000002")
+    live = _grown(0.0, b=True, ema=True)
+    if older_lacks == "ema" and not config:  # still refused: the older one lacks it, as said
+        with pytest.raises(CheckpointError, match=r"has no state\['ema'\] \(.*\); nothing was restored"):
+            make_mgr(root, **config).load(live)
+        return
+    assert make_mgr(root, **config).load(live) == 1
+    assert torch.equal(live["stats"]["a"], torch.full((4096,), 1.0))
+    unchanged = live["stats"]["b"] if older_lacks == "b" else live["ema"].weight
+    assert not unchanged.any()  # as initialised
+
+
+def test_a_corrupt_newest_read_into_optimizer_state_the_older_one_drops_falls_back(tmp_path):
+    """A reload in the middle of a run: the live optimizer has moments for a layer that had no
+    gradient yet at the older step. The corrupt newest was read into them, and the older
+    optimizer state has none for it: loading it drops them from the optimizer, so nothing
+    corrupt is left and the state is exactly the older step's."""
+    root = tmp_path / "ck"
+    mgr = make_mgr(root, keep_last=None)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    live = {"model": model, "optimizer": opt}
+
+    def train(layers) -> None:
+        layers(torch.randn(2, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    train(model[0])  # step 1: the second layer has no moments yet
+    mgr.save(1, live)
+    want_model = {k: v.clone() for k, v in model.state_dict().items()}
+    want_opt = {i: {k: v.clone() for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
+    train(model)
+    mgr.save(2, live)
+    _flip(root / "step-00000002" / "rank-00000.pt", 0.5)
+    train(model)  # the run went on
+    assert len(opt.state) == 4
+    assert make_mgr(root).load(live) == 1
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in want_model.items())
+    got = opt.state_dict()["state"]
+    assert got.keys() == want_opt.keys() and len(got) == 2
+    assert all(torch.equal(got[i][k], v) for i, st in want_opt.items() for k, v in st.items())
+
+
 def test_a_lazy_module_not_yet_run_resumes_from_the_newest_checkpoint(tmp_path):
     """A model with a lazy layer, resumed in a fresh process: its parameters have no shape
     before the first forward, so none is a live tensor to read into; the newest checkpoint

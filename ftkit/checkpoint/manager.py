@@ -45,12 +45,19 @@ from .io.statefile import (
 )
 from .protocol import CheckpointManager
 from .state.keys import check_missing, describe_rule, is_dcp, match_keys
-from .state.restore import live_targets, own_tensors, restore_state
+from .state.restore import live_targets, own_tensors, reachable_tensors, restore_state
 from .state.snapshot import Snapshot, derive_rng, restore_rng, take_snapshot
 
 __all__ = ["Checkpointer"]
 
 log = logging.getLogger(__name__)
+
+
+def _holds_corrupt(damaged: Path, what: str, root: Path) -> str:
+    """Why a load stops with part of the corrupt checkpoint ``damaged`` in the live state."""
+    return (f"{damaged} was found corrupt while it was read into the live state, and {what}: this run cannot "
+            f"go on from a state that holds part of a corrupt checkpoint. Move {damaged} out of {root} and start "
+            "again (the state is then loaded from the one before it, as initialised where that one has nothing)")
 
 
 class _EarlyRead:
@@ -102,7 +109,12 @@ class Checkpointer(CheckpointManager):
         self._closed = False
         self.loaded: CheckpointInfo | None = None
         """The checkpoint the last ``load`` restored (its ``world_size`` is the saving run's)."""
-        self._into_live_used = False  # the last _try_load read tensors straight into live ones
+        self._written: dict[str, list[Any] | None] = {}
+        """The live tensors the last ``_try_load`` read a file straight into, by key of the state
+        (None: any tensor under that key, a DCP load's)."""
+        self._covered: tuple[set[str], set[int]] = (set(), set())
+        """What the last ``_try_load`` with ``cover`` restored: keys wholly, and the addresses of
+        the other live tensors it wrote."""
 
     @property
     def root(self) -> Path:
@@ -217,6 +229,7 @@ class Checkpointer(CheckpointManager):
             candidates = [self.root / step_name(step)]
         skipped: list[str] = []
         damaged: Path | None = None  # a corrupt checkpoint read into the live tensors
+        held: dict[str, list[Any]] = {}  # the live tensors that hold its bytes, by key of the state
         for i, path in enumerate(candidates):
             # straight into the live tensors only with an older checkpoint to overwrite them
             # if this one turns out corrupt during the read
@@ -228,9 +241,25 @@ class Checkpointer(CheckpointManager):
                 problem = self._agree(problem or (early.problem if early is not None else ""))
                 found = time.monotonic()
                 if not problem:
-                    problem = self._try_load(state, path, info, into_live=direct, early=early)
-                    if problem and direct and self._into_live_used:
-                        damaged = path
+                    try:
+                        problem = self._try_load(state, path, info, into_live=direct, early=early,
+                                                 cover=damaged is not None)
+                    except CheckpointError as exc:  # a refusal: the state keeps the corrupt bytes
+                        if damaged is None:
+                            raise
+                        raise CheckpointError(_holds_corrupt(damaged, f"loading {path} instead failed ({exc})",
+                                                             self.root)) from exc
+                    if problem and direct and self._written:
+                        damaged = damaged or path
+                        for key, tensors in self._written.items():
+                            held.setdefault(key, []).extend(
+                                reachable_tensors(state.get(key)) if tensors is None else tensors)
+                    elif not problem and damaged is not None:
+                        left = self.comm.first_problem(self._left_over(state, held))
+                        if left:
+                            raise CheckpointError(_holds_corrupt(
+                                damaged, f"{path}, loaded instead, does not overwrite all of it: {left} still "
+                                f"hold its bytes ({path.name} lacks them)", self.root))
             finally:
                 if early is not None:
                     early.close()  # a read it started and the load never took (a refused load)
@@ -317,8 +346,22 @@ class Checkpointer(CheckpointManager):
             early.problem = str(exc) or type(exc).__name__
         return early
 
+    def _left_over(self, state: Mapping[str, Any], held: Mapping[str, list[Any]]) -> str:
+        """Which of ``held`` (live tensors a corrupt file was read into) the last ``_try_load``
+        (with ``cover``) left as they were, though the state still holds them: "" if none."""
+        whole, written = self._covered
+        left = []
+        for key, tensors in held.items():
+            if key in whole:
+                continue
+            alive = {t.data_ptr() for t in reachable_tensors(state.get(key))}
+            n = len({t.data_ptr() for t in tensors} & alive - written)
+            if n:
+                left.append(f"state[{key!r}] ({n} tensor{'s' if n != 1 else ''})")
+        return ", ".join(left)
+
     def _try_load(self, state: Mapping[str, Any], path: Path, info: CheckpointInfo, *, into_live: bool = False,
-                  early: _EarlyRead | None = None) -> str:
+                  early: _EarlyRead | None = None, cover: bool = False) -> str:
         """Load ``path`` (``info``: its validation) into ``state`` on any number of ranks
         (``state.keys``'s world-size rule).
 
@@ -328,9 +371,10 @@ class Checkpointer(CheckpointManager):
         :class:`ftkit.checkpoint.dcp_reader.StreamingReader` of ``early``, :meth:`_start_read`):
         the file's tensors are read straight into the live tensors that take them
         (:func:`ftkit.checkpoint.io.statefile.read_state_into`), so a corrupt file leaves its
-        bytes there; ``_into_live_used`` says whether that happened.
+        bytes there; ``_written`` says where. ``cover``: note in ``_covered`` what the load
+        restored, for a corrupt file's bytes it must overwrite (``_left_over``).
         """
-        self._into_live_used = False
+        self._written = {}
         saved_world = int(info.world_size or 1)
         sharded = is_dcp(info.files)
         name, own = (early.name, early.own) if early is not None else self._state_file(info, path)
@@ -360,12 +404,13 @@ class Checkpointer(CheckpointManager):
         live = {k: v for k, v in state.items() if k not in allowed}
         rest: dict[str, Any] = live
         saved = payload["state"]
+        keys: list[str] = []
         if sharded or self.comm.distributed:
             from .dcp import load_full, load_sharded, sharded_keys
 
             keys = sharded_keys(live)
             if reader is not None:
-                self._into_live_used = True
+                self._written = dict.fromkeys(keys)
             try:
                 if sharded:  # each rank reads its part alone; the ranks agree before it is set
                     load_sharded(live, keys, path, reader=reader,
@@ -400,6 +445,9 @@ class Checkpointer(CheckpointManager):
             else:
                 log.warning("state[%r] is a plain value in a read-only mapping; restored value dropped", key)
         restore_rng(payload["rng"] if own else derive_rng(payload["rng"], self.rank))
+        if cover:  # DCP restores the keys it loads whole, or raises
+            whole = set(keys) if sharded or self.comm.distributed else set()
+            self._covered = (whole, {t.data_ptr() for t in live_targets(rest, saved).values()})
         return ""
 
     def _read(self, state: Mapping[str, Any], path: Path, info: CheckpointInfo, name: str, *,
@@ -455,8 +503,12 @@ class Checkpointer(CheckpointManager):
         for key, value in state.items():  # as _try_load: a model saved inside DDP, or back
             if isinstance(value, torch.nn.Module) and isinstance(saved.get(key), Mapping):
                 matched[key] = match_keys(saved[key], list(value.state_dict()), f"{path}: state[{key!r}]")
-        found = live_targets(state, matched)
-        self._into_live_used = bool(found)
+        found: dict[int, Any] = {}
+        for key in state:  # by key: a corrupt file's bytes must be overwritten where they went
+            mine = live_targets({key: state[key]}, {key: matched[key]}) if key in matched else {}
+            if mine:
+                found.update(mine)
+                self._written[key] = list(mine.values())
         return found
 
     # ------------------------------------------------------------------ listing, retention
