@@ -778,10 +778,45 @@ def _flip_dcp_metadata(root, step, rank):
     _flip(root / f"step-{step:08d}" / "dcp" / ".metadata", 0.6)
 
 
+def _flip_in_a_dcp_pickle(root, step, values: bool) -> None:
+    """The first byte of the pickle of a DCP item of ``step``: a value's (an optimizer's
+    hyperparameter: parsed before the file's CRC-32 is known, and handed to DCP), else a
+    tensor's (its header, parsed to find its bytes)."""
+    import io
+    import pickle
+    import zipfile
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    dcp = root / f"step-{step:08d}" / "dcp"
+    metadata = pickle.loads((dcp / ".metadata").read_bytes())
+    _, info = max(((i, s) for i, s in metadata.storage_data.items()
+                       if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata) == values),
+                      key=lambda entry: entry[1].relative_path)  # rank 1's file where it has one
+    path = dcp / info.relative_path
+    data = bytearray(path.read_bytes())
+    item = data[info.offset : info.offset + info.length]
+    record = next(r for r in zipfile.ZipFile(io.BytesIO(bytes(item))).infolist() if r.filename.endswith("data.pkl"))
+    h = record.header_offset
+    start = h + 30 + int.from_bytes(item[h + 26 : h + 28], "little") + int.from_bytes(item[h + 28 : h + 30], "little")
+    data[info.offset + start] ^= 0x10  # its first opcode: the pickle does not parse
+    path.write_bytes(bytes(data))
+
+
+def _flip_dcp_value_pickle(root, step, rank):
+    _flip_in_a_dcp_pickle(root, step, values=True)
+
+
+def _flip_dcp_tensor_pickle(root, step, rank):
+    _flip_in_a_dcp_pickle(root, step, values=False)
+
+
 @pytest.mark.parametrize(
     "world_size,corrupt",
-    [(1, _flip_rank_file), (2, _flip_rank_file), (2, _flip_dcp_file), (2, _flip_dcp_metadata)],
-    ids=["one-rank", "two-ranks-rank1-state-file", "two-ranks-dcp-file", "two-ranks-dcp-metadata"],
+    [(1, _flip_rank_file), (2, _flip_rank_file), (2, _flip_dcp_file), (2, _flip_dcp_metadata),
+     (2, _flip_dcp_value_pickle), (2, _flip_dcp_tensor_pickle)],
+    ids=["one-rank", "two-ranks-rank1-state-file", "two-ranks-dcp-file", "two-ranks-dcp-metadata",
+         "two-ranks-dcp-value-pickle", "two-ranks-dcp-tensor-pickle"],
 )
 def test_resume_past_a_corrupt_newest_is_bit_identical_to_resuming_the_older(tmp_path, world_size, corrupt):
     """A real trainer (dropout, sampler, Adam, StepLR; DDP + DCP with two ranks) checkpoints at
@@ -802,6 +837,26 @@ def test_resume_past_a_corrupt_newest_is_bit_identical_to_resuming_the_older(tmp
         assert all(torch.equal(v, b["model"][k]) for k, v in a["model"].items())
         for pid, st in a["optimizer"]["state"].items():
             assert all(torch.equal(v, b["optimizer"]["state"][pid][k]) for k, v in st.items())
+
+
+@pytest.mark.parametrize("values", [True, False], ids=["a-value", "a-tensor"])
+def test_a_two_rank_checkpoint_with_a_pickle_that_does_not_parse_falls_back_in_one_process(tmp_path, values):
+    """A requeue onto one process of a two-rank DCP checkpoint whose item pickle is corrupt: it
+    reads every file itself, and the pickle fails to parse before the file's CRC-32 is known.
+    The checkpoint is skipped as corrupt and the older one loaded, exactly as DCP reads it
+    (not DCP's raw exception out of ``load``)."""
+    from tests.ckpt_helpers import build_state
+
+    root = tmp_path / "ck"
+    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], 2)
+    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], 2)
+    _flip_in_a_dcp_pickle(root, 7, values=values)
+    want, _ = build_state()
+    assert make_mgr(root).load(want, step=4) == 4
+    state, _ = build_state()
+    assert make_mgr(root).load(state) == 4
+    assert all(torch.equal(v, want["model"].state_dict()[k]) for k, v in state["model"].state_dict().items())
+    assert state["optimizer"].state_dict()["param_groups"] == want["optimizer"].state_dict()["param_groups"]
 
 
 def test_a_dcp_read_that_fails_on_one_rank_fails_the_load_on_every_rank_naming_it(tmp_path):

@@ -46,7 +46,6 @@ import math
 import pickle
 import re
 import threading
-import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -134,8 +133,8 @@ def _archives(view: memoryview, fetch: Fetch, spans: list[tuple[int, int]], wher
     ``extra`` ranges with their first round."""
     try:
         every = archives_records(view, fetch, spans, tail=_ITEM_TAIL, extra=extra)
-    except (FileProblem, zipfile.BadZipFile) as exc:
-        raise _Unsupported(f"{where}: {exc}") from None
+    except Exception as exc:  # a file that is not what it says (corrupt: the CRC-32 of DCP's way says so)
+        raise _Unsupported(f"{where}: {type(exc).__name__}: {exc}") from None
     pickles: list[tuple[int, int]] = []
     for (start, _), records in zip(spans, every, strict=True):
         pickled = [(a, n) for name, (a, n) in records.items() if name.endswith("data.pkl")]
@@ -377,21 +376,24 @@ class StreamingReader(dcp.FileSystemReader):
                     if name in per_file or early is not None:
                         read = early or _FileRead(self, name, None)
                         read.give(per_file.get(name, []), planner)
-                        if others:  # the few items of files another rank checks, while this
-                            # rank's file streams (its plan made: one thread at a time asks the
-                            # planner), not after it: values read early, the rest by DCP's reader
-                            read.planned.wait()
-                            others = self._give_values(others, planner)
-                            if others:
-                                super().read_data(dataclasses.replace(plan, items=others), planner).wait()
-                                others = []
                         try:
+                            if others:  # the few items of files another rank checks, while this
+                                # rank's file streams (its plan made: one thread at a time asks the
+                                # planner), not after it: values read early, the rest by DCP's reader
+                                read.planned.wait()
+                                others = self._give_values(others, planner)
+                                if others:
+                                    super().read_data(dataclasses.replace(plan, items=others), planner).wait()
+                                    others = []
                             read.finish(planner)
                         except _GuessWrong as exc:  # its tensors got bytes from the wrong places
                             log.info("%s; reading it again, its items' headers first", exc)
                             read = _FileRead(self, name, None)
                             read.give(per_file.get(name, []), planner)
                             read.finish(planner)
+                        except BaseException:  # it streams into the tensors: done before the load goes on
+                            read.wait()
+                            raise
                         self.files_read.append(name)
                     else:
                         self._check(name)
@@ -444,6 +446,8 @@ class StreamingReader(dcp.FileSystemReader):
             tensor, key = _meta_item(pickle_bytes)
         except NotOneTensor as exc:
             raise _Unsupported(f"{where}: {exc}") from None
+        except Exception as exc:  # a pickle that does not parse: corrupt, which DCP's way finds
+            raise _Unsupported(f"{where}: {type(exc).__name__}: {exc}") from None
         if key not in records:
             raise _Unsupported(f"{where}: storage {key} not in the archive")
         return tensor, records[key]
@@ -637,11 +641,11 @@ class _FileRead:
         return None
 
     def finish(self, planner: LoadPlanner) -> None:
-        """Hand DCP the values read with the headers while the bulk streams, wait for the read,
-        then hand it every other item it wanted from the file."""
+        """Wait for the read, checking the guessed items as it goes, then hand DCP every other
+        item it wanted from the file: the values read with the headers too, only now that the
+        file's CRC-32 says their bytes are the ones saved (a corrupt pickle would fail DCP's
+        ``torch.load`` first, and the load would fail instead of falling back)."""
         self.planned.wait()
-        for item, value in self._values_read:  # the bulk rewrites these bytes with the same ones
-            planner.load_bytes(item, io.BytesIO(bytes(value)))
         wrong = self._check_as_read()
         self.wait()
         if self._error is not None:  # a corrupt file is that, whatever its items looked like
@@ -649,6 +653,8 @@ class _FileRead:
         if wrong is not None:
             raise wrong
         assert self._result is not None
+        for item, value in self._values_read:  # the bulk rewrote these bytes with the same ones
+            planner.load_bytes(item, io.BytesIO(bytes(value)))
         mapping, view = self._result
         for item, how, what in self._after:
             if how == "bytes":

@@ -424,8 +424,10 @@ class Checkpointer(CheckpointManager):
                 corrupt = corrupt_file_in(exc) if reader is not None else None
                 if corrupt is not None:  # found during the one read (every rank gets it from DCP)
                     return str(corrupt)
-                if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
-                    raise
+                from torch.distributed.checkpoint.api import CheckpointException
+
+                if isinstance(exc, CheckpointError) or not isinstance(exc, (Exception, CheckpointException)):
+                    raise  # KeyboardInterrupt, SystemExit
                 where = path / DCP_DIR if sharded else path / name
                 raise CheckpointError(f"could not load modules and optimizers from {where}: {exc}") from exc
             rest = {k: v for k, v in live.items() if k not in keys}  # the rest is per-rank state
