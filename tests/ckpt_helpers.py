@@ -161,7 +161,8 @@ def train_main(argv: list[str]) -> None:
 def load_main(argv: list[str]) -> None:
     """Load the newest checkpoint of ``--root`` on each rank; print what came of it as the last
     line (``loaded N`` or ``CheckpointError: ...``). ``--fail-read-on R``: rank R's DCP read
-    fails (a RuntimeError of no checkpoint's making), to show what the other ranks do then."""
+    fails (a RuntimeError of no checkpoint's making), to show what the other ranks do then.
+    ``--extra-key-on R``: rank R's state has a key no checkpoint has (the others' not)."""
     import torch.distributed as dist
 
     from ftkit.checkpoint import CheckpointConfig, make_manager
@@ -171,6 +172,7 @@ def load_main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", required=True)
     ap.add_argument("--fail-read-on", type=int)
+    ap.add_argument("--extra-key-on", type=int)
     a = ap.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:
@@ -180,6 +182,10 @@ def load_main(argv: list[str]) -> None:
             raise RuntimeError(f"rank {rank}: the read failed on purpose")
         StreamingReader.read_data = fail  # type: ignore[method-assign]
     state, _ = build_state(rank=rank, world_size=world)
+    if rank == a.extra_key_on:
+        import torch
+
+        state["only_here"] = torch.zeros(3)
     try:
         print(f"loaded {make_manager(CheckpointConfig(root=a.root), rank=rank, world_size=world).load(state)}")
     except CheckpointError as exc:

@@ -17,6 +17,7 @@ import fcntl
 import itertools
 import os
 import random
+import re
 import shutil
 import threading
 import time
@@ -481,6 +482,20 @@ def test_a_corrupt_newest_read_into_entries_the_older_one_lacks_stops_the_load(t
     assert not unchanged.any()  # as initialised
 
 
+def test_a_corrupt_newest_whose_older_one_does_not_fit_the_state_stops_the_load_naming_it(tmp_path):
+    """The model grew between the two checkpoints: the newest, read straight into the live
+    tensors, is corrupt, and the older one's restore fails (its shapes). The load says both,
+    naming the corrupt checkpoint the state now holds part of, not only the restore's error."""
+    root = tmp_path / "ck"
+    mgr = make_mgr(root, keep_last=None)
+    mgr.save(1, {"ema": torch.nn.Linear(64, 16)})
+    mgr.save(2, {"ema": torch.nn.Linear(64, 32)})
+    _flip(root / "step-00000002" / "rank-00000.pt", 0.5)
+    with pytest.raises(CheckpointError, match=r"(?s)step-00000002 was found corrupt while it was read into the live state, "
+                                              r"and loading .*step-00000001 instead failed \(.*size mismatch"):
+        make_mgr(root).load({"ema": torch.nn.Linear(64, 32)})
+
+
 def test_a_corrupt_newest_read_into_optimizer_state_the_older_one_drops_falls_back(tmp_path):
     """A reload in the middle of a run: the live optimizer has moments for a layer that had no
     gradient yet at the older step. The corrupt newest was read into them, and the older
@@ -857,6 +872,21 @@ def test_a_two_rank_checkpoint_with_a_pickle_that_does_not_parse_falls_back_in_o
     assert make_mgr(root).load(state) == 4
     assert all(torch.equal(v, want["model"].state_dict()[k]) for k, v in state["model"].state_dict().items())
     assert state["optimizer"].state_dict()["param_groups"] == want["optimizer"].state_dict()["param_groups"]
+
+
+@pytest.mark.parametrize("saved_by", [1, 2], ids=["saved-by-one-process", "saved-by-two-ranks"])
+def test_a_key_only_one_ranks_state_has_refuses_the_load_on_every_rank(tmp_path, saved_by):
+    """Rank 1's state has a key the checkpoints lack (strict): the load is refused on every
+    rank, naming rank 1 and the key, before anything is read into the state; no rank hangs
+    in a collective the refusing rank never reaches, none trains on alone."""
+    root = tmp_path / "ck"
+    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], saved_by)
+    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], saved_by)
+    outs = run_ranks(["load", "--root", str(root), "--extra-key-on", "1"], 2, timeout=90)
+    said = [out.strip().splitlines()[-1] for out in outs]
+    for line in said:
+        assert re.match(r"CheckpointError: rank 1: checkpoint .*step-00000007 has no state\['only_here'\] "
+                        r"\(a torch.Tensor\); nothing was restored", line), said
 
 
 def test_a_dcp_read_that_fails_on_one_rank_fails_the_load_on_every_rank_naming_it(tmp_path):

@@ -44,13 +44,15 @@ from .io.statefile import (
     write_state_file,
 )
 from .protocol import CheckpointManager
-from .state.keys import check_missing, describe_rule, is_dcp, match_keys
+from .state.keys import check_missing, describe_rule, is_dcp, match_keys, refusal
 from .state.restore import live_targets, own_tensors, reachable_tensors, restore_state
 from .state.snapshot import Snapshot, derive_rng, restore_rng, take_snapshot
 
 __all__ = ["Checkpointer"]
 
 log = logging.getLogger(__name__)
+
+_REFUSED = "\x00refused\x00"  # a rank's problem that is a refusal to load (raised), not a broken file (skipped)
 
 
 def _holds_corrupt(damaged: Path, what: str, root: Path) -> str:
@@ -235,31 +237,36 @@ class Checkpointer(CheckpointManager):
             # if this one turns out corrupt during the read
             direct = step is None and any(validate_dir(p).valid for p in candidates[i + 1 :])
             info = validate_dir(path)  # read once here: each step below works from it
+            self._written = {}  # what this candidate's _try_load reads into, if it runs
             problem = self._check_here(path, info, streamed=direct)
             early = self._start_read(path, info) if direct and not problem else None
             try:
-                problem = self._agree(problem or (early.problem if early is not None else ""))
+                refused = (self._refusal(state, early.available, path)
+                           if early is not None and not early.problem else "")
+                problem = self._agree(problem or (early.problem if early is not None else "") or refused)
                 found = time.monotonic()
-                if not problem:
-                    try:
+                try:
+                    if problem.startswith(_REFUSED):  # a key some rank's state has and the checkpoint not
+                        raise CheckpointError(problem[len(_REFUSED):])
+                    if not problem:
                         problem = self._try_load(state, path, info, into_live=direct, early=early,
                                                  cover=damaged is not None)
-                    except CheckpointError as exc:  # a refusal: the state keeps the corrupt bytes
-                        if damaged is None:
-                            raise
-                        raise CheckpointError(_holds_corrupt(damaged, f"loading {path} instead failed ({exc})",
-                                                             self.root)) from exc
-                    if problem and direct and self._written:
-                        damaged = damaged or path
-                        for key, tensors in self._written.items():
-                            held.setdefault(key, []).extend(
-                                reachable_tensors(state.get(key)) if tensors is None else tensors)
-                    elif not problem and damaged is not None:
-                        left = self.comm.first_problem(self._left_over(state, held))
-                        if left:
-                            raise CheckpointError(_holds_corrupt(
-                                damaged, f"{path}, loaded instead, does not overwrite all of it: {left} still "
-                                f"hold its bytes ({path.name} lacks them)", self.root))
+                except Exception as exc:  # a refusal, a restore that fails: the state keeps the corrupt bytes
+                    if damaged is None:
+                        raise
+                    raise CheckpointError(_holds_corrupt(damaged, f"loading {path} instead failed ({exc})",
+                                                         self.root)) from exc
+                if problem and direct and self._written:
+                    damaged = damaged or path
+                    for key, tensors in self._written.items():
+                        held.setdefault(key, []).extend(
+                            reachable_tensors(state.get(key)) if tensors is None else tensors)
+                elif not problem and damaged is not None:
+                    left = self.comm.first_problem(self._left_over(state, held))
+                    if left:
+                        raise CheckpointError(_holds_corrupt(
+                            damaged, f"{path}, loaded instead, does not overwrite all of it: {left} still "
+                            f"hold its bytes ({path.name} lacks them)", self.root))
             finally:
                 if early is not None:
                     early.close()  # a read it started and the load never took (a refused load)
@@ -346,6 +353,14 @@ class Checkpointer(CheckpointManager):
             early.problem = str(exc) or type(exc).__name__
         return early
 
+    def _refusal(self, state: Mapping[str, Any], available: set[str], path: Path) -> str:
+        """This rank's refusal of ``path`` (:func:`ftkit.checkpoint.state.keys.refusal`) as a
+        problem for the ranks to agree on (marked, and naming the rank where there are several)."""
+        text = refusal(state, available, self.config, path)
+        if not text:
+            return ""
+        return _REFUSED + (f"rank {self.rank}: {text}" if self.comm.distributed else text)
+
     def _left_over(self, state: Mapping[str, Any], held: Mapping[str, list[Any]]) -> str:
         """Which of ``held`` (live tensors a corrupt file was read into) the last ``_try_load``
         (with ``cover``) left as they were, though the state still holds them: "" if none."""
@@ -393,7 +408,11 @@ class Checkpointer(CheckpointManager):
                     available |= saved_keys(path)
             except (CheckpointError, KeyError, OSError, ValueError) as exc:
                 problem = str(exc)
-            problem = self.comm.first_problem(problem)
+            # one problem for every rank: a broken file is skipped, a key the checkpoint lacks
+            # refused (on every rank, also where only some ranks' states have it)
+            problem = self.comm.first_problem(problem or self._refusal(state, available, path))
+            if problem.startswith(_REFUSED):
+                raise CheckpointError(problem[len(_REFUSED):])
             if problem:
                 return problem
         if self.rank == 0 and saved_world != self.world_size:

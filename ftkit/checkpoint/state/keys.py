@@ -33,7 +33,7 @@ from ...errors import CheckpointError
 from ..config import CheckpointConfig
 from ..format.layout import DCP_DIR
 
-__all__ = ["check_missing", "describe_rule", "is_dcp", "match_keys"]
+__all__ = ["check_missing", "describe_rule", "is_dcp", "match_keys", "refusal"]
 
 log = logging.getLogger(__name__)
 
@@ -60,22 +60,32 @@ def check_missing(
     missing = [k for k in state if k not in available]
     if not missing:
         return set()
-    refused = [k for k in missing if config.strict and k not in config.allow_missing]
+    refused = refusal(state, available, config, path)
     if refused:
-        names = ", ".join(f"state[{k!r}] ({_what(state[k])})" for k in refused)
-        raise CheckpointError(
-            f"checkpoint {path} has no {names}; nothing was restored. Resuming would go on with "
-            f"{'it' if len(refused) == 1 else 'them'} as initialised, silently. Resume from a "
-            "checkpoint that has it, or allow it explicitly: "
-            f"CheckpointConfig(allow_missing=({', '.join(repr(k) for k in refused)},)) to leave "
-            "these keys as they are, or CheckpointConfig(strict=False) for every key"
-        )
+        raise CheckpointError(refused)
     for key in missing:
         log.warning("state[%r] (%s) is not in checkpoint %s; left as it is (allowed by %s)",
                     key, _what(state[key]), path,
                     "checkpoint.allow_missing" if key in config.allow_missing else "checkpoint.strict=False")
     emit("missing-state", step=step, path=str(path), keys=missing)
     return set(missing)
+
+
+def refusal(state: Mapping[str, Any], available: set[str], config: CheckpointConfig, path: Path) -> str:
+    """Why :func:`check_missing` refuses the checkpoint (keys of ``state`` it lacks and
+    ``config`` does not allow), else "": the ranks agree on it before anything is read into
+    the state, since a key only some ranks have would fail only their load."""
+    refused = [k for k in state if k not in available and config.strict and k not in config.allow_missing]
+    if not refused:
+        return ""
+    names = ", ".join(f"state[{k!r}] ({_what(state[k])})" for k in refused)
+    return (
+        f"checkpoint {path} has no {names}; nothing was restored. Resuming would go on with "
+        f"{'it' if len(refused) == 1 else 'them'} as initialised, silently. Resume from a "
+        "checkpoint that has it, or allow it explicitly: "
+        f"CheckpointConfig(allow_missing=({', '.join(repr(k) for k in refused)},)) to leave "
+        "these keys as they are, or CheckpointConfig(strict=False) for every key"
+    )
 
 
 def _what(value: Any) -> str:
