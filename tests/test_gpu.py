@@ -111,12 +111,21 @@ def _values(state: dict) -> list[torch.Tensor]:
             + [v.detach().cpu() for st in state["optimizer"].state.values() for v in st.values() if torch.is_tensor(v)])
 
 
-def test_a_resume_onto_the_gpu_copies_each_piece_to_the_live_tensors_as_it_arrives(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("raw", [True, False], ids=["cuda-runtime", "copy_"])
+def test_a_resume_onto_the_gpu_copies_each_piece_to_the_live_tensors_as_it_arrives(tmp_path: Path, monkeypatch,
+                                                                                   raw: bool) -> None:
     """With an older checkpoint to fall back on, the newest state file is read once into pinned
     staging and its CUDA tensors' bytes go to the live GPU tensors by host-to-device copies
-    (``io.device``): the same tensors, filled in place, bit for bit the saved values; work
-    queued on them before the load does not overwrite them."""
+    (``io.device``, queued through the CUDA runtime's C API or, without it, ``Tensor.copy_``):
+    the same tensors, filled in place, bit for bit the saved values; work queued on them before
+    the load does not overwrite them."""
     from ftkit.checkpoint.io import device as _device
+
+    monkeypatch.setattr(_device, "RAW", raw)
+    assert (_device._Runtime.get() is not None) or not raw  # torch's libcudart was found
+    recorded: list[int] = []
+    real_record = _device._Events.record
+    monkeypatch.setattr(_device._Events, "record", lambda self, stream: recorded.append(stream) or real_record(self, stream))
 
     root = tmp_path / "ck"
     mgr = ftkit.checkpoint.Checkpointer(CheckpointConfig(root=root, keep_last=None), events=None)
@@ -137,6 +146,7 @@ def test_a_resume_onto_the_gpu_copies_each_piece_to_the_live_tensors_as_it_arriv
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     model_bytes = sum(t.numel() * t.element_size() for t in newest["model"].state_dict().values())
     assert sum(written) >= model_bytes  # the model (and the moments) went by device copies
+    assert (len(recorded) == len(written)) if raw else not recorded
 
 
 def test_a_corrupt_newest_read_onto_the_gpu_falls_back_to_exactly_the_older_state(tmp_path: Path) -> None:

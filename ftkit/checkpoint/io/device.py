@@ -17,11 +17,22 @@ itself, so a load returns with the state on the device.
 
 Used only in a process that already uses CUDA (:func:`wanted`): the load never initialises CUDA
 itself, and a CPU-only process pays nothing for it.
+
+A copy is queued by calling the CUDA runtime that torch loaded (``cudaMemcpyAsync`` and
+``cudaEventRecord`` through ``ctypes``, :class:`_Runtime`), not by ``Tensor.copy_``: a load of
+1 GB queues about a thousand copies from four placing threads, and each ``copy_`` with its
+stream context, slices and event is tens of microseconds of Python under the GIL, which the
+thread submitting the next reads waits for. ``ctypes`` releases the GIL for the call. Where
+that runtime is not found (a build that links it statically), :data:`RAW` is False or the
+calling thread's current device is another, the copy goes through ``copy_`` as before.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import itertools
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,7 +40,12 @@ import torch
 
 from .direct import BLOCK
 
-__all__ = ["DeviceCopies", "DeviceTensor", "load_copies", "wanted"]
+__all__ = ["RAW", "DeviceCopies", "DeviceTensor", "load_copies", "wanted"]
+
+RAW = True  # queue the copies through the CUDA runtime's C API (else Tensor.copy_; both are tested)
+EVENTS = 64  # events of one device a load records in turn (a fence waits for its event's latest
+# record: one recorded again later waits a little longer, never too little, as the copies of
+# one side stream run in order)
 
 
 def wanted() -> bool:
@@ -61,6 +77,90 @@ class _EventFence:
         self._event.synchronize()
 
 
+class _Runtime:
+    """The CUDA runtime library this process loaded for torch (``libcudart``, as mapped in
+    ``/proc/self/maps``), called through ``ctypes`` (the GIL released during each call)."""
+
+    _lock = threading.Lock()
+    _found: _Runtime | bool | None = False  # False: not looked for yet
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        vp, i = ctypes.c_void_p, ctypes.c_int
+        for name, args in (("cudaMemcpyAsync", [vp, vp, ctypes.c_size_t, i, vp]), ("cudaEventRecord", [vp, vp]),
+                           ("cudaEventSynchronize", [vp]), ("cudaGetDevice", [ctypes.POINTER(i)]),
+                           ("cudaEventCreateWithFlags", [ctypes.POINTER(vp), ctypes.c_uint]),
+                           ("cudaEventDestroy", [vp])):
+            f = getattr(lib, name)
+            f.argtypes, f.restype = args, i
+        lib.cudaGetErrorString.argtypes, lib.cudaGetErrorString.restype = [i], ctypes.c_char_p
+        self.lib = lib
+
+    @classmethod
+    def get(cls) -> _Runtime | None:
+        with cls._lock:
+            if cls._found is False:
+                cls._found = cls._load()
+            return cls._found or None
+
+    @classmethod
+    def _load(cls) -> _Runtime | None:
+        try:
+            with open("/proc/self/maps") as maps:
+                paths = sorted({line[line.index("/"):].strip() for line in maps if "/libcudart.so" in line})
+            # another library's runtime may be mapped too: torch's is of its CUDA version
+            major = f"/libcudart.so.{(torch.version.cuda or '').split('.')[0]}"
+            paths.sort(key=lambda path: major not in path)
+            return cls(ctypes.CDLL(paths[0])) if paths else None
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    def check(self, code: int, what: str) -> None:
+        if code:
+            raise RuntimeError(f"{what}: CUDA error {code} ({self.lib.cudaGetErrorString(code).decode()})")
+
+    def device(self) -> int:
+        """The calling thread's current device."""
+        got = ctypes.c_int(-1)
+        self.check(self.lib.cudaGetDevice(ctypes.byref(got)), "cudaGetDevice")
+        return got.value
+
+
+class _RawEvent:
+    """The reader's fence over a raw CUDA event of a :class:`_Events` pool."""
+
+    __slots__ = ("_handle", "_rt")
+
+    def __init__(self, rt: _Runtime, handle: int) -> None:
+        self._rt, self._handle = rt, handle
+
+    def wait(self) -> None:
+        self._rt.check(self._rt.lib.cudaEventSynchronize(self._handle), "cudaEventSynchronize")
+
+
+class _Events:
+    """:data:`EVENTS` raw CUDA events of one device (created with that device current),
+    recorded in turn; destroyed with the load's :class:`DeviceCopies`."""
+
+    def __init__(self, rt: _Runtime, device: torch.device) -> None:
+        self._rt, self.handles = rt, []
+        with torch.cuda.device(device):
+            for _ in range(EVENTS):
+                handle = ctypes.c_void_p()
+                rt.check(rt.lib.cudaEventCreateWithFlags(ctypes.byref(handle), 2), "cudaEventCreateWithFlags")  # no timing
+                self.handles.append(handle.value)
+        self._turn = itertools.cycle(self.handles)
+
+    def record(self, stream: int) -> _RawEvent:
+        handle = next(self._turn)
+        self._rt.check(self._rt.lib.cudaEventRecord(handle, stream), "cudaEventRecord")
+        return _RawEvent(self._rt, handle)
+
+    def destroy(self) -> None:
+        for handle in self.handles:  # once their copies are done (DeviceCopies.finish)
+            self._rt.lib.cudaEventDestroy(handle)
+        self.handles = []
+
+
 class DeviceCopies:
     """The pinned staging buffers of one load and its host-to-device copies (one side stream per
     device); :meth:`finish` after the read, also when it failed."""
@@ -72,6 +172,8 @@ class DeviceCopies:
         self._base = self._pinned.data_ptr() + (-self._pinned.data_ptr() % BLOCK)
         self._offset = self._base - self._pinned.data_ptr()
         self._sides: dict[torch.device, Any] = {}
+        self._events: dict[torch.device, _Events] = {}
+        self._rt = _Runtime.get() if RAW else None
 
     def stages(self) -> list[memoryview]:
         """The pinned staging buffers: ``count`` views of ``chunk`` bytes, each on a page."""
@@ -86,7 +188,9 @@ class DeviceCopies:
             side = torch.cuda.Stream(device=device)
             side.wait_stream(torch.cuda.current_stream(device))  # the load's bytes land after queued work
             self._sides[device] = side
-        return DeviceTensor(self, tensor, self._sides[device])
+            if self._rt is not None:
+                self._events[device] = _Events(self._rt, device)
+        return DeviceTensor(self, tensor, self._sides[device], self._events.get(device))
 
     def host(self, address: int, n: int) -> torch.Tensor:
         """The pinned bytes ``[address, address + n)`` as a tensor (they lie in a staging buffer)."""
@@ -98,20 +202,37 @@ class DeviceCopies:
         for device, side in self._sides.items():
             torch.cuda.current_stream(device).wait_stream(side)
             side.synchronize()
+        for events in self._events.values():
+            events.destroy()
 
 
 class DeviceTensor:
     """A contiguous CUDA tensor as a reader :class:`~ftkit.checkpoint.io.reader.Destination`."""
 
-    def __init__(self, copies: DeviceCopies, tensor: torch.Tensor, side: Any) -> None:
+    def __init__(self, copies: DeviceCopies, tensor: torch.Tensor, side: Any, events: _Events | None = None) -> None:
         if not tensor.is_contiguous():
             raise ValueError("a DeviceTensor must be contiguous")
-        self._copies, self._side = copies, side
+        self._copies, self._side, self._events = copies, side, events
         self._bytes = tensor.detach().reshape(-1).view(torch.uint8)
+        self._at, self._index, self._stream = self._bytes.data_ptr(), tensor.device.index, side.cuda_stream
 
-    def write(self, at: int, src: int, n: int) -> _EventFence:
+    def write(self, at: int, src: int, n: int) -> _EventFence | _RawEvent:
+        events = self._events
+        if events is not None:
+            if events._rt.device() == self._index:
+                return self._raw(events, at, src, n)
+            # torch's guard: another current device (a placing thread's first copy, a model on
+            # several GPUs) is made current and back, without creating a context on one unused
+            with torch.cuda.device(self._index):
+                return self._raw(events, at, src, n)
         with torch.no_grad(), torch.cuda.stream(self._side):
             self._bytes[at : at + n].copy_(self._copies.host(src, n), non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._side)
         return _EventFence(event)
+
+    def _raw(self, events: _Events, at: int, src: int, n: int) -> _RawEvent:
+        rt = events._rt
+        rt.check(rt.lib.cudaMemcpyAsync(self._at + at, src, n, 1, self._stream),  # 1: host to device
+                 f"cudaMemcpyAsync of {n} bytes to cuda:{self._index}")
+        return events.record(self._stream)
