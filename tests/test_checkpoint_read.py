@@ -577,6 +577,67 @@ def test_live_tensors_the_reader_cannot_write_into_get_the_saved_values_by_a_cop
     assert all(torch.equal(a, b) for a, b in zip(live["model"].parameters(), saved["model"].parameters(), strict=True))
 
 
+@pytest.mark.parametrize("newest", ["valid", "corrupt"])
+def test_a_fresh_optimizers_moments_are_read_into_memory_on_their_parameters_device(tmp_path, monkeypatch, newest):
+    """A requeued job's optimizer has no state before its first step. Its moments are read
+    straight into new memory on each parameter's device, and ``load_state_dict`` keeps that
+    memory as it is. On a GPU this replaces a read into host memory followed by a copy; here
+    the host stands in for the GPU (``on_gpu`` accepts every parameter). The test covers two
+    groups, a parameter that already has state, a bf16 parameter whose float32 moments
+    ``load_state_dict`` casts (none are made for it), and a corrupt newest checkpoint, after
+    which the optimizer has exactly the older checkpoint's values."""
+    from ftkit.checkpoint import manager as _manager
+    from ftkit.checkpoint.state import restore as _restore
+
+    def state(seed: int, steps: int = 1) -> dict:
+        torch.manual_seed(seed)
+        a, b, c = torch.nn.Linear(64, 64), torch.nn.Linear(64, 8), torch.nn.Linear(8, 4).to(torch.bfloat16)
+        opt = torch.optim.AdamW([{"params": list(a.parameters())}, {"params": list(b.parameters()), "lr": 0.01},
+                                 {"params": list(c.parameters())}], lr=0.1)
+        for _ in range(steps):
+            c(b(a(torch.randn(4, 64))).to(torch.bfloat16)).float().sum().backward()
+            opt.step()
+            for q in c.parameters():  # float32 moments for bf16 parameters (saved by another optimizer)
+                opt.state[q] = {"step": torch.tensor(1.0), "exp_avg": torch.randn(q.shape),
+                                "exp_avg_sq": torch.rand(q.shape)}
+        return {"model": torch.nn.ModuleList([a, b, c]), "optimizer": opt}
+
+    root = tmp_path / "ck"
+    mgr = make_mgr(root, keep_last=None)
+    older = state(1)
+    mgr.save(1, older)
+    mgr.save(2, state(2))
+    want = older if newest == "corrupt" else state(2)
+    if newest == "corrupt":
+        _flip(root / "step-00000002" / "rank-00000.pt", 0.6)
+    live = state(3, steps=0)
+    first = next(iter(live["model"][0].parameters()))
+    live["optimizer"].state[first] = {"step": torch.tensor(5.0), "exp_avg": torch.zeros_like(first),
+                                      "exp_avg_sq": torch.zeros_like(first)}  # state already: read into
+    kept = live["optimizer"].state[first]["exp_avg"]
+    made: list[torch.Tensor] = []
+    real = _restore.optimizer_homes
+    monkeypatch.setattr(_restore, "optimizer_homes",
+                        lambda *a: (lambda out: made.extend(out.values()) or out)(real(*a)))
+    monkeypatch.setattr(_manager, "on_gpu", lambda param: True)
+    assert make_mgr(root).load(live) == (1 if newest == "corrupt" else 2)
+    got, saved = live["optimizer"].state_dict(), want["optimizer"].state_dict()
+    assert got["state"].keys() == saved["state"].keys() and len(got["state"]) == 6
+    for pid, entry in saved["state"].items():  # pids 4 and 5: c's, cast to bf16 by load_state_dict
+        assert all(torch.equal(got["state"][pid][k], v if pid < 4 or k == "step" else v.to(torch.bfloat16))
+                   for k, v in entry.items())
+    assert live["optimizer"].state[first]["exp_avg"] is kept
+    for q in live["model"][2].parameters():  # cast by load_state_dict to the parameter's dtype
+        assert live["optimizer"].state[q]["exp_avg"].dtype == torch.bfloat16
+    moments = {id(v) for st in live["optimizer"].state.values() for k, v in st.items() if k != "step"}
+    # two moments for each of a's bias and b's weight and bias (not c's, cast; not a's weight, which
+    # has state), made for the newest checkpoint: kept where it loaded, none where it was corrupt
+    # (the older one, the last, is read into memory of its own, then its moments are cloned)
+    assert len(made) == 6
+    assert sum(id(t) in moments for t in made) == (0 if newest == "corrupt" else 6)
+    assert all(torch.equal(a, b) for a, b in zip(live["model"].parameters(), want["model"].parameters(), strict=True))
+
+
 def test_tensors_sharing_a_storage_read_into_memory_of_their_own_keep_every_byte(tmp_path):
     """Views of one storage, one of them inside another but not next to it: the bytes they
     share stay in the read buffer, so the view around them reads them all."""

@@ -149,6 +149,34 @@ def test_a_resume_onto_the_gpu_copies_each_piece_to_the_live_tensors_as_it_arriv
     assert (len(recorded) == len(written)) if raw else not recorded
 
 
+def test_a_requeued_jobs_fresh_optimizer_gets_its_moments_read_straight_onto_the_gpu(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    """A fresh process's optimizer has no state yet: its Adam moments are read into new CUDA
+    memory by host-to-device copies as the pieces arrive (``restore.optimizer_homes``), not
+    into host memory that ``load_state_dict`` then copies; the optimizer keeps them as they are."""
+    from ftkit.checkpoint.io import device as _device
+
+    root = tmp_path / "ck"
+    mgr = ftkit.checkpoint.Checkpointer(CheckpointConfig(root=root, keep_last=None), events=None)
+    mgr.save(2, _cuda_state(2))
+    newest = _cuda_state(3)
+    mgr.save(3, newest)
+    want = _values(newest)
+    torch.manual_seed(9)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8)).cuda()
+    live = {"model": model, "optimizer": torch.optim.Adam(model.parameters())}
+    written: list[int] = []
+    real = _device.DeviceTensor.write
+    monkeypatch.setattr(_device.DeviceTensor, "write", lambda self, at, src, n: written.append(n) or real(self, at, src, n))
+    assert ftkit.checkpoint.Checkpointer(CheckpointConfig(root=root), events=None).load(live) == 3
+    got = _values(live)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    moments = [v for st in live["optimizer"].state.values() for k, v in st.items() if k != "step"]
+    assert len(moments) == 8 and all(v.is_cuda for v in moments)
+    model_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    assert sum(written) >= 3 * model_bytes  # the parameters and both moments went by device copies
+
+
 def test_a_corrupt_newest_read_onto_the_gpu_falls_back_to_exactly_the_older_state(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     mgr = ftkit.checkpoint.Checkpointer(CheckpointConfig(root=root, keep_last=None), events=None)

@@ -45,7 +45,7 @@ from .io.statefile import (
 )
 from .protocol import CheckpointManager
 from .state.keys import check_missing, describe_rule, is_dcp, match_keys, refusal
-from .state.restore import live_targets, own_tensors, reachable_tensors, restore_state
+from .state.restore import live_targets, on_gpu, own_tensors, reachable_tensors, restore_state
 from .state.snapshot import Snapshot, derive_rng, restore_rng, take_snapshot
 
 __all__ = ["Checkpointer"]
@@ -526,7 +526,8 @@ class Checkpointer(CheckpointManager):
                 matched[key] = match_keys(saved[key], list(value.state_dict()), f"{path}: state[{key!r}]")
         found: dict[int, Any] = {}
         for key in state:  # by key: a corrupt file's bytes must be overwritten where they went
-            mine = live_targets({key: state[key]}, {key: matched[key]}) if key in matched else {}
+            # a fresh optimizer's moments for a GPU's parameters: read there (restore.on_gpu)
+            mine = live_targets({key: state[key]}, {key: matched[key]}, homes=on_gpu) if key in matched else {}
             if mine:
                 found.update(mine)
                 self._written[key] = list(mine.values())

@@ -16,7 +16,7 @@ copied into, so a resume can read the file straight into them (``io.statefile``)
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -24,7 +24,8 @@ from torch.nn.parameter import is_lazy
 
 from .snapshot import is_stateful
 
-__all__ = ["clone_tensors", "live_targets", "own_tensors", "reachable_tensors", "restore_state"]
+__all__ = ["clone_tensors", "live_targets", "on_gpu", "optimizer_homes", "own_tensors", "reachable_tensors",
+           "restore_state"]
 
 log = logging.getLogger(__name__)
 
@@ -104,16 +105,24 @@ def _into(current: Any, saved: Any) -> Any:
     return clone_tensors(saved)
 
 
-def live_targets(state: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[int, torch.Tensor]:
+def live_targets(state: Mapping[str, Any], saved: Mapping[str, Any],
+                 homes: Callable[[torch.Tensor], bool] | None = None) -> dict[int, torch.Tensor]:
     """For each saved tensor that ``restore_state(state, own_tensors(state, saved))`` would copy
     into a live tensor, that live tensor, by ``id`` of the saved one: a module's parameters
     and buffers (by state-dict key), the tensors of a stateful object's ``state_dict()``
     (an optimizer's moments), a live tensor of the same shape and dtype. A loader may read
-    the saved values straight into them (:func:`ftkit.checkpoint.io.statefile.read_state_into`)."""
+    the saved values straight into them (:func:`ftkit.checkpoint.io.statefile.read_state_into`).
+
+    ``homes(param)``: also, for the moments of an optimizer that has no state for ``param``
+    yet (a requeued job's, before its first step), new memory on ``param``'s device, which
+    ``load_state_dict`` keeps as it is (:func:`optimizer_homes`): a resume onto a GPU reads
+    them straight there, rather than into host memory that ``load_state_dict`` then copies."""
     out: dict[int, torch.Tensor] = {}
 
     def walk(live: Any, saved: Any) -> None:
         if is_stateful(live):  # a module copies into its own tensors, an optimizer is handed them
+            if homes is not None and isinstance(live, torch.optim.Optimizer) and isinstance(saved, Mapping):
+                out.update(optimizer_homes(live, saved, homes))
             walk(live.state_dict(), saved)
         elif isinstance(live, Mapping) and isinstance(saved, Mapping):
             for k, v in saved.items():
@@ -127,6 +136,43 @@ def live_targets(state: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[int
     for key, value in saved.items():
         if key in state:
             walk(state[key], value)
+    return out
+
+
+def on_gpu(param: torch.Tensor) -> bool:
+    """:func:`live_targets`'s ``homes`` for a load: the parameters on a GPU (on the host, a
+    moment's memory of its own is what the reader gives it anyway)."""
+    return param.device.type == "cuda"
+
+
+def optimizer_homes(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any],
+                    homes: Callable[[torch.Tensor], bool]) -> dict[int, torch.Tensor]:
+    """New memory for the saved moments of each parameter ``homes`` accepts that ``optimizer``
+    has no state for, by ``id`` of the saved tensor: on the parameter's device, of the saved
+    shape and dtype. ``load_state_dict`` pairs the saved parameters with its own in order and
+    moves each moment to its parameter's device (and a floating-point parameter's dtype): a
+    tensor already there is kept as it is. Not ``step``, which it leaves where it was; nothing
+    where the groups do not pair up (``load_state_dict`` raises)."""
+    groups, state = saved.get("param_groups"), saved.get("state")
+    if not isinstance(groups, list) or not isinstance(state, Mapping):
+        return {}
+    try:
+        sizes = [len(g["params"]) for g in groups]
+        ids = [i for g in groups for i in g["params"]]
+    except (TypeError, KeyError):
+        return {}
+    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
+        return {}
+    out: dict[int, torch.Tensor] = {}
+    for pid, param in zip(ids, (p for g in optimizer.param_groups for p in g["params"]), strict=True):
+        entry = state.get(pid)
+        if not isinstance(entry, Mapping) or optimizer.state.get(param) or not homes(param):
+            continue
+        for key, value in entry.items():
+            if (key == "step" or not isinstance(value, torch.Tensor) or value.layout != torch.strided
+                    or (param.is_floating_point() and value.dtype != param.dtype)):
+                continue
+            out[id(value)] = torch.empty(value.shape, dtype=value.dtype, device=param.device)
     return out
 
 
