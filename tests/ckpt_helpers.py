@@ -162,7 +162,9 @@ def load_main(argv: list[str]) -> None:
     """Load the newest checkpoint of ``--root`` on each rank; print what came of it as the last
     line (``loaded N`` or ``CheckpointError: ...``). ``--fail-read-on R``: rank R's DCP read
     fails (a RuntimeError of no checkpoint's making), to show what the other ranks do then.
-    ``--extra-key-on R``: rank R's state has a key no checkpoint has (the others' not)."""
+    ``--extra-key-on R``: rank R's state has a key no checkpoint has (the others' not).
+    ``--fail-restore-on R``: rank R's scheduler refuses its saved state (the state's failure,
+    after the files were read and agreed on)."""
     import torch.distributed as dist
 
     from ftkit.checkpoint import CheckpointConfig, make_manager
@@ -173,6 +175,7 @@ def load_main(argv: list[str]) -> None:
     ap.add_argument("--root", required=True)
     ap.add_argument("--fail-read-on", type=int)
     ap.add_argument("--extra-key-on", type=int)
+    ap.add_argument("--fail-restore-on", type=int)
     a = ap.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:
@@ -186,6 +189,10 @@ def load_main(argv: list[str]) -> None:
         import torch
 
         state["only_here"] = torch.zeros(3)
+    if rank == a.fail_restore_on:
+        def refuse(saved):
+            raise RuntimeError(f"rank {rank}: the scheduler refused its state on purpose")
+        state["scheduler"].load_state_dict = refuse
     try:
         print(f"loaded {make_manager(CheckpointConfig(root=a.root), rank=rank, world_size=world).load(state)}")
     except CheckpointError as exc:

@@ -950,6 +950,22 @@ def test_a_key_only_one_ranks_state_has_refuses_the_load_on_every_rank(tmp_path,
                         r"\(a torch.Tensor\); nothing was restored", line), said
 
 
+@pytest.mark.parametrize("saved_by", [1, 2])
+def test_a_restore_that_fails_on_one_rank_fails_the_load_on_every_rank_naming_it(tmp_path, saved_by):
+    """Rank 1's scheduler refuses its saved state, after the files were read and the ranks
+    agreed on them: the load fails on every rank, naming rank 1 and the error. Rank 0 does
+    not report the checkpoint loaded and then train on alone; rank 1 does not crash alone.
+    This holds for a one-process checkpoint (every rank reads the full state) and a DCP one."""
+    root = tmp_path / "ck"
+    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], saved_by)
+    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], saved_by)
+    outs = run_ranks(["load", "--root", str(root), "--fail-restore-on", "1"], 2, timeout=90)
+    said = [out.strip().splitlines()[-1] for out in outs]
+    for line in said:
+        assert re.match(r"CheckpointError: could not restore .*step-00000007 into the state: rank 1: RuntimeError: "
+                        r"rank 1: the scheduler refused its state on purpose$", line), said
+
+
 def test_a_dcp_read_that_fails_on_one_rank_fails_the_load_on_every_rank_naming_it(tmp_path):
     """Each rank reads its part of a DCP checkpoint without DCP's collectives, and the ranks
     agree before anything is set: a rank whose read fails (not a corrupt file, so nothing to

@@ -390,7 +390,6 @@ class Checkpointer(CheckpointManager):
         restored, for a corrupt file's bytes it must overwrite (``_left_over``).
         """
         self._written = {}
-        saved_world = int(info.world_size or 1)
         sharded = is_dcp(info.files)
         name, own = (early.name, early.own) if early is not None else self._state_file(info, path)
         reader = early.reader if early is not None else None
@@ -415,6 +414,30 @@ class Checkpointer(CheckpointManager):
                 raise CheckpointError(problem[len(_REFUSED):])
             if problem:
                 return problem
+        # a failure to restore (the state's, not the file's) on any rank fails the load on every
+        # rank, naming it: none trains on alone or hangs in the next collective
+        failure, cause = "", None
+        try:
+            problem = self._restore_into(state, path, info, payload, available, name, own, reader, cover=cover)
+        except Exception as exc:
+            if not self.comm.distributed:
+                raise
+            problem, cause = "", exc
+            failure = str(exc) if isinstance(exc, CheckpointError) else (
+                f"could not restore {path} into the state: rank {self.rank}: {type(exc).__name__}: {exc}")
+        if self.comm.distributed:
+            failure = self.comm.first_problem(failure)
+            if failure:
+                raise CheckpointError(failure) from cause
+        return problem
+
+    def _restore_into(self, state: Mapping[str, Any], path: Path, info: CheckpointInfo, payload: dict[str, Any],
+                      available: set[str], name: str, own: bool, reader: Any, *, cover: bool) -> str:
+        """``_try_load``'s restore of ``payload`` (read from ``path``'s ``name``, this rank's
+        ``own`` state file or rank 0's; ``reader``: its DCP files' streaming reader, if any)
+        into ``state``. Returns a corrupt file found during DCP's read ("" once restored)."""
+        saved_world = int(info.world_size or 1)
+        sharded = is_dcp(info.files)
         if self.rank == 0 and saved_world != self.world_size:
             log.warning("%s", describe_rule(path, saved_world, self.world_size))
         allowed = check_missing(state, available, self.config, path, self._emit, info.step)
