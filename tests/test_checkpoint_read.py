@@ -14,6 +14,7 @@ import concurrent.futures
 import ctypes
 import errno
 import fcntl
+import gc
 import itertools
 import os
 import random
@@ -21,6 +22,7 @@ import re
 import shutil
 import threading
 import time
+import weakref
 import zlib
 
 import pytest
@@ -615,12 +617,23 @@ def test_a_fresh_optimizers_moments_are_read_into_memory_on_their_parameters_dev
     live["optimizer"].state[first] = {"step": torch.tensor(5.0), "exp_avg": torch.zeros_like(first),
                                       "exp_avg_sq": torch.zeros_like(first)}  # state already: read into
     kept = live["optimizer"].state[first]["exp_avg"]
-    made: list[torch.Tensor] = []
+    made: list[weakref.ref] = []
     real = _restore.optimizer_homes
     monkeypatch.setattr(_restore, "optimizer_homes",
-                        lambda *a: (lambda out: made.extend(out.values()) or out)(real(*a)))
+                        lambda *a: (lambda out: made.extend(map(weakref.ref, out.values())) or out)(real(*a)))
     monkeypatch.setattr(_manager, "on_gpu", lambda param: True)
+    alive_during_older: list[int] = []
+    real_try = _manager.Checkpointer._try_load
+
+    def try_load(self, state, path, *a, **k):
+        gc.collect()  # what ftkit no longer holds is gone
+        if path.name == "step-00000001":
+            alive_during_older.append(sum(r() is not None for r in made))
+        return real_try(self, state, path, *a, **k)
+
+    monkeypatch.setattr(_manager.Checkpointer, "_try_load", try_load)
     assert make_mgr(root).load(live) == (1 if newest == "corrupt" else 2)
+    assert alive_during_older == ([0] if newest == "corrupt" else [])  # a GPU's would double its moments
     got, saved = live["optimizer"].state_dict(), want["optimizer"].state_dict()
     assert got["state"].keys() == saved["state"].keys() and len(got["state"]) == 6
     for pid, entry in saved["state"].items():  # pids 4 and 5: c's, cast to bf16 by load_state_dict
@@ -630,6 +643,7 @@ def test_a_fresh_optimizers_moments_are_read_into_memory_on_their_parameters_dev
     for q in live["model"][2].parameters():  # cast by load_state_dict to the parameter's dtype
         assert live["optimizer"].state[q]["exp_avg"].dtype == torch.bfloat16
     moments = {id(v) for st in live["optimizer"].state.values() for k, v in st.items() if k != "step"}
+    made = [r() for r in made]
     # two moments for each of a's bias and b's weight and bias (not c's, cast; not a's weight, which
     # has state), made for the newest checkpoint: kept where it loaded, none where it was corrupt
     # (the older one, the last, is read into memory of its own, then its moments are cloned)

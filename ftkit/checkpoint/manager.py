@@ -553,7 +553,10 @@ class Checkpointer(CheckpointManager):
             mine = live_targets({key: state[key]}, {key: matched[key]}, homes=on_gpu) if key in matched else {}
             if mine:
                 found.update(mine)
-                self._written[key] = list(mine.values())
+                # the live ones: not a new moment's memory, which a corrupt file's payload takes
+                # with it (held for the whole load, it would double a GPU's moments on a fallback)
+                alive = {t.data_ptr() for t in reachable_tensors(state[key])}  # (a module's state_dict: new views)
+                self._written[key] = [t for t in mine.values() if t.data_ptr() in alive]
         return found
 
     # ------------------------------------------------------------------ listing, retention
