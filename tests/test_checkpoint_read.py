@@ -950,34 +950,25 @@ def test_a_two_rank_checkpoint_with_a_pickle_that_does_not_parse_falls_back_in_o
 
 
 @pytest.mark.parametrize("saved_by", [1, 2], ids=["saved-by-one-process", "saved-by-two-ranks"])
-def test_a_key_only_one_ranks_state_has_refuses_the_load_on_every_rank(tmp_path, saved_by):
-    """Rank 1's state has a key the checkpoints lack (strict): the load is refused on every
-    rank, naming rank 1 and the key, before anything is read into the state; no rank hangs
-    in a collective the refusing rank never reaches, none trains on alone."""
+@pytest.mark.parametrize("flag,said", [
+    ("--extra-key-on", r"CheckpointError: rank 1: checkpoint .*step-00000007 has no state\['only_here'\] "
+                       r"\(a torch.Tensor\); nothing was restored"),
+    ("--fail-restore-on", r"CheckpointError: could not restore .*step-00000007 into the state: rank 1: "
+                          r"RuntimeError: rank 1: the scheduler refused its state on purpose$"),
+], ids=["a-key-only-rank-1-has", "a-restore-failing-on-rank-1"])
+def test_what_one_rank_refuses_or_fails_to_restore_fails_the_load_on_every_rank(tmp_path, saved_by, flag, said):
+    """Rank 1's state has a key the checkpoints lack (strict), or rank 1's scheduler refuses
+    its saved state after the files were read and agreed on: the load fails on every rank,
+    naming rank 1 (and the key, or the error). No rank hangs in a collective rank 1 never
+    reaches, none reports the checkpoint loaded and trains on alone, rank 1 does not crash
+    alone; for a one-process checkpoint (every rank reads the full state) and a DCP one."""
     root = tmp_path / "ck"
     run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], saved_by)
     run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], saved_by)
-    outs = run_ranks(["load", "--root", str(root), "--extra-key-on", "1"], 2, timeout=90)
-    said = [out.strip().splitlines()[-1] for out in outs]
-    for line in said:
-        assert re.match(r"CheckpointError: rank 1: checkpoint .*step-00000007 has no state\['only_here'\] "
-                        r"\(a torch.Tensor\); nothing was restored", line), said
-
-
-@pytest.mark.parametrize("saved_by", [1, 2])
-def test_a_restore_that_fails_on_one_rank_fails_the_load_on_every_rank_naming_it(tmp_path, saved_by):
-    """Rank 1's scheduler refuses its saved state, after the files were read and the ranks
-    agreed on them: the load fails on every rank, naming rank 1 and the error. Rank 0 does
-    not report the checkpoint loaded and then train on alone; rank 1 does not crash alone.
-    This holds for a one-process checkpoint (every rank reads the full state) and a DCP one."""
-    root = tmp_path / "ck"
-    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], saved_by)
-    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], saved_by)
-    outs = run_ranks(["load", "--root", str(root), "--fail-restore-on", "1"], 2, timeout=90)
-    said = [out.strip().splitlines()[-1] for out in outs]
-    for line in said:
-        assert re.match(r"CheckpointError: could not restore .*step-00000007 into the state: rank 1: RuntimeError: "
-                        r"rank 1: the scheduler refused its state on purpose$", line), said
+    outs = run_ranks(["load", "--root", str(root), flag, "1"], 2, timeout=90)
+    said_by = [out.strip().splitlines()[-1] for out in outs]
+    for line in said_by:
+        assert re.match(said, line), said_by
 
 
 def test_a_dcp_read_that_fails_on_one_rank_fails_the_load_on_every_rank_naming_it(tmp_path):

@@ -106,6 +106,25 @@ def _cuda_state(seed: int) -> dict:
     return {"model": model, "optimizer": opt}
 
 
+def _two_checkpoints(root: Path) -> list[torch.Tensor]:
+    """Steps 2 and 3 of two CUDA states saved under ``root``; the values of step 3's."""
+    mgr = ftkit.checkpoint.Checkpointer(CheckpointConfig(root=root, keep_last=None), events=None)
+    mgr.save(2, _cuda_state(2))
+    newest = _cuda_state(3)
+    mgr.save(3, newest)
+    return _values(newest)
+
+
+def _device_writes(monkeypatch) -> list[int]:
+    """The sizes of the host-to-device copies (``DeviceTensor.write``) of the loads that follow."""
+    from ftkit.checkpoint.io import device as _device
+
+    written: list[int] = []
+    real = _device.DeviceTensor.write
+    monkeypatch.setattr(_device.DeviceTensor, "write", lambda self, at, src, n: written.append(n) or real(self, at, src, n))
+    return written
+
+
 def _values(state: dict) -> list[torch.Tensor]:
     return ([t.detach().cpu() for t in state["model"].state_dict().values()]
             + [v.detach().cpu() for st in state["optimizer"].state.values() for v in st.values() if torch.is_tensor(v)])
@@ -128,23 +147,17 @@ def test_a_resume_onto_the_gpu_copies_each_piece_to_the_live_tensors_as_it_arriv
     monkeypatch.setattr(_device._Events, "record", lambda self, stream: recorded.append(stream) or real_record(self, stream))
 
     root = tmp_path / "ck"
-    mgr = ftkit.checkpoint.Checkpointer(CheckpointConfig(root=root, keep_last=None), events=None)
-    mgr.save(2, _cuda_state(2))
-    newest = _cuda_state(3)
-    mgr.save(3, newest)
-    want = _values(newest)
+    want = _two_checkpoints(root)
     live = _cuda_state(9)
     pointers = [t.data_ptr() for t in live["model"].state_dict().values()]
     for p in live["model"].parameters():
         p.data.mul_(7)  # queued on the compute stream: must run before the checkpoint lands
-    written: list[int] = []
-    real = _device.DeviceTensor.write
-    monkeypatch.setattr(_device.DeviceTensor, "write", lambda self, at, src, n: written.append(n) or real(self, at, src, n))
+    written = _device_writes(monkeypatch)
     assert ftkit.checkpoint.Checkpointer(CheckpointConfig(root=root), events=None).load(live) == 3
     assert [t.data_ptr() for t in live["model"].state_dict().values()] == pointers
     got = _values(live)
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    model_bytes = sum(t.numel() * t.element_size() for t in newest["model"].state_dict().values())
+    model_bytes = sum(t.numel() * t.element_size() for t in live["model"].state_dict().values())
     assert sum(written) >= model_bytes  # the model (and the moments) went by device copies
     assert (len(recorded) == len(written)) if raw else not recorded
 
@@ -154,20 +167,12 @@ def test_a_requeued_jobs_fresh_optimizer_gets_its_moments_read_straight_onto_the
     """A fresh process's optimizer has no state yet: its Adam moments are read into new CUDA
     memory by host-to-device copies as the pieces arrive (``restore.optimizer_homes``), not
     into host memory that ``load_state_dict`` then copies; the optimizer keeps them as they are."""
-    from ftkit.checkpoint.io import device as _device
-
     root = tmp_path / "ck"
-    mgr = ftkit.checkpoint.Checkpointer(CheckpointConfig(root=root, keep_last=None), events=None)
-    mgr.save(2, _cuda_state(2))
-    newest = _cuda_state(3)
-    mgr.save(3, newest)
-    want = _values(newest)
+    want = _two_checkpoints(root)
     torch.manual_seed(9)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8)).cuda()
     live = {"model": model, "optimizer": torch.optim.Adam(model.parameters())}
-    written: list[int] = []
-    real = _device.DeviceTensor.write
-    monkeypatch.setattr(_device.DeviceTensor, "write", lambda self, at, src, n: written.append(n) or real(self, at, src, n))
+    written = _device_writes(monkeypatch)
     assert ftkit.checkpoint.Checkpointer(CheckpointConfig(root=root), events=None).load(live) == 3
     got = _values(live)
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
