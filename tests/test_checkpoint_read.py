@@ -652,6 +652,38 @@ def test_a_fresh_optimizers_moments_are_read_into_memory_on_their_parameters_dev
     assert all(torch.equal(a, b) for a, b in zip(live["model"].parameters(), want["model"].parameters(), strict=True))
 
 
+def test_new_memory_is_made_only_for_moments_torchs_own_load_state_dict_keeps():
+    """``optimizer_homes``: for a fresh Adam, one new tensor per saved moment (not ``step``),
+    of its shape and dtype; none for an optimizer whose ``load_state_dict`` is its own (it may
+    keep its state elsewhere than its parameters' device), none where the groups do not pair up."""
+    from ftkit.checkpoint.state.restore import optimizer_homes
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+    opt = torch.optim.Adam(net.parameters())
+    net(torch.randn(3, 6)).sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+
+    def fresh(cls=torch.optim.Adam, groups=1):
+        params = list(torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2)).parameters())
+        return cls([{"params": params[:2]}, {"params": params[2:]}] if groups == 2 else params)
+
+    made = optimizer_homes(fresh(), saved, lambda param: True)
+    moments = {id(v): v for st in saved["state"].values() for k, v in st.items() if k != "step"}
+    assert made.keys() == moments.keys() and len(made) == 8
+    assert all(made[i].shape == v.shape and made[i].dtype == v.dtype and made[i] is not v for i, v in moments.items())
+
+    class KeepsItsOwn(torch.optim.Adam):
+        def load_state_dict(self, state_dict):
+            super().load_state_dict(state_dict)
+
+    assert optimizer_homes(fresh(KeepsItsOwn), saved, lambda param: True) == {}
+    assert optimizer_homes(fresh(groups=2), saved, lambda param: True) == {}
+    assert optimizer_homes(fresh(), saved, lambda param: param.dim() == 2).keys() == {
+        id(saved["state"][i][k]) for i in (0, 2) for k in ("exp_avg", "exp_avg_sq")}
+
+
 def test_tensors_sharing_a_storage_read_into_memory_of_their_own_keep_every_byte(tmp_path):
     """Views of one storage, one of them inside another but not next to it: the bytes they
     share stay in the read buffer, so the view around them reads them all."""

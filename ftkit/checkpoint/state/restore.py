@@ -152,7 +152,14 @@ def optimizer_homes(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any],
     shape and dtype. ``load_state_dict`` pairs the saved parameters with its own in order and
     moves each moment to its parameter's device (and a floating-point parameter's dtype): a
     tensor already there is kept as it is. Not ``step``, which it leaves where it was; nothing
-    where the groups do not pair up (``load_state_dict`` raises)."""
+    where the groups do not pair up (``load_state_dict`` raises), nor for an optimizer whose
+    ``load_state_dict`` or placing policy is its own (one that keeps its state on the host
+    while the parameters are on a GPU, say)."""
+    base = torch.optim.Optimizer
+    policy = "_process_value_according_to_param_policy"
+    if (type(optimizer).load_state_dict is not base.load_state_dict
+            or getattr(type(optimizer), policy, None) is not getattr(base, policy, None)):
+        return {}
     groups, state = saved.get("param_groups"), saved.get("state")
     if not isinstance(groups, list) or not isinstance(state, Mapping):
         return {}
