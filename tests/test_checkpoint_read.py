@@ -28,6 +28,7 @@ import zlib
 import pytest
 import torch
 
+from ftkit.checkpoint import manager as _manager
 from ftkit.checkpoint.format.manifest import verify_files, verify_share
 from ftkit.checkpoint.io import aio as _aio
 from ftkit.checkpoint.io import archive as _archive
@@ -132,15 +133,19 @@ def test_a_load_reads_every_byte_of_the_file_once_with_o_direct(tmp_path, monkey
     crc_passes = []
     monkeypatch.setattr(_reader, "check_file", lambda *a, **k: crc_passes.append(a))
     fresh = {"w": torch.zeros(5_000_000), "b": torch.zeros(7, dtype=torch.int64), "extra": {"value": 0}}
+    where = fresh["w"].data_ptr()
     assert make_mgr(tmp_path / "ck").load(fresh) == 1
     assert torch.equal(fresh["w"], state["w"]) and torch.equal(fresh["b"], state["b"])
+    assert fresh["w"].data_ptr() == where  # read into the live tensor (its only checkpoint: with an undo)
     assert fresh["extra"]["value"] == 3
-    spans = _coverage(reads, path.stat().st_ino)
-    # contiguous, no overlap, exactly the file: every byte once
+    ino = path.stat().st_ino
+    spans = sorted((off, off + n) for i, off, n, _ in reads.bulk if i == ino and n)
+    # the bulk: contiguous, no overlap, exactly the file: every byte once
     assert spans[0][0] == 0 and spans[-1][1] == size
     assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     assert sum(b - a for a, b in spans) == size
-    assert all(d for i, _, n, d in reads if i == path.stat().st_ino and n)  # O_DIRECT reads
+    assert sum(n for i, _, n, _ in reads.small if i == ino) <= 1 << 20  # before it: the zip directory's few pages
+    assert all(d for i, _, n, d in reads if i == ino and n)  # O_DIRECT reads
     assert crc_passes == []  # no verification pass besides the read
     assert reads.engines == {engine}
 
@@ -326,19 +331,95 @@ def test_corruption_found_during_the_read_falls_back_to_exactly_the_older_state(
     assert torch.equal(torch.get_rng_state(), rng_at_2)  # the RNG is step 2's too
 
 
-def test_with_nothing_older_a_corrupt_newest_leaves_the_live_state_untouched(tmp_path):
+def _cut_short_during_the_bulk(path, monkeypatch) -> None:
+    """Another process truncates ``path`` once its bulk read has begun: the read stops part of
+    the way, with some of the file placed (64 KiB pieces, four in flight: the first are in)."""
+    monkeypatch.setattr(_reader, "CHUNK", 64 << 10)
+    monkeypatch.setattr(_reader, "STAGING", 4 * (64 << 10))
+    real = _reads.Reads.submit
+    size = path.stat().st_size
+
+    def truncating(self, reads, kind):
+        reads = list(reads)
+        if kind == "bulk" and any(offset >= 4 * (64 << 10) for _, offset in reads) and path.stat().st_size == size:
+            os.truncate(path, size // 2)
+        return real(self, reads, kind)
+
+    monkeypatch.setattr(_reads.Reads, "submit", truncating)
+
+
+@pytest.mark.parametrize("how", ["in-tensor-data", "in-the-zip-directory", "cut-short-mid-read"])
+def test_with_nothing_older_a_corrupt_newest_leaves_the_live_state_untouched(tmp_path, monkeypatch, how):
+    """The only checkpoint is read straight into the live tensors too, but the bytes it writes
+    over are set aside on the way: when its checksum fails after the whole read (or the read
+    stops half-way), they are put back, and the fresh start begins from the state exactly as
+    it was (resume="auto"; "required" and an explicit step raise, the state as it was too)."""
     root = tmp_path / "ck"
     make_mgr(root).save(3, _state(3))
-    _flip(root / "step-00000003" / "rank-00000.pt", 0.5)
+    path = root / "step-00000003" / "rank-00000.pt"
+    state_file_reads = []
+    real_into = _manager.read_state_into
+    monkeypatch.setattr(_manager, "read_state_into",
+                        lambda *a, **k: state_file_reads.append(k.get("undo")) or real_into(*a, **k))
+    placed: list[int] = []  # parts of live tensors written over (and set aside first)
+    real_write = _single._Undoable.write
+    monkeypatch.setattr(_single._Undoable, "write", lambda self, at, src, n: placed.append(n) or real_write(self, at, src, n))
+    good = path.read_bytes()
+    for resume, step in [("auto", None), ("required", None), ("auto", 3)]:
+        placed.clear()
+        path.write_bytes(good)
+        live = _state(9)
+        before, pointers = _snapshot(live), _pointers(live)
+        torch.manual_seed(5)
+        rng = torch.get_rng_state()
+        with monkeypatch.context() as cut:
+            if how == "cut-short-mid-read":
+                _cut_short_during_the_bulk(path, cut)
+            else:
+                _flip(path, 0.5 if how == "in-tensor-data" else 0.999)
+            said = "checksum" if how != "cut-short-mid-read" else "the file changed while it was read"
+            if resume == "auto" and step is None:
+                assert make_mgr(root).load(live) is None  # resume="auto": a fresh start ...
+            else:
+                with pytest.raises(CheckpointError, match=said):
+                    make_mgr(root, resume=resume).load(live, step=step)
+        assert _same(_snapshot(live), before)  # ... from the state as it was, nothing of step 3 in it
+        assert _pointers(live) == pointers and torch.equal(torch.get_rng_state(), rng)
+        assert state_file_reads[-1] is not None and placed  # read into the live tensors, and undone
+
+
+def test_the_only_checkpoint_is_read_straight_into_the_live_tensors_exactly(tmp_path, monkeypatch):
+    """With nothing older to fall back on, the file's tensors still go straight into the live
+    tensors (none of them through the read buffer), the state is exactly step 3's, and the
+    copies set aside for an undo are gone after the load."""
+    monkeypatch.setattr(_reader, "CHUNK", 64 << 10)
+    root = tmp_path / "ck"
+    newest = _state(3)
+    make_mgr(root).save(3, newest)
+    want = _snapshot(newest)
+    into_buffer: list[int] = []
+    asides: list[weakref.ref] = []
+    real_scatter, real_aside = _reader.scatter_file, _single._aside
+
+    def scatter(*args, **kwargs):
+        mapping, view = real_scatter(*args, **kwargs)
+        into_buffer.append(sum(1 for i in range(0, view.nbytes, 4096) if any(view[i : i + 4096])))
+        return mapping, view
+
+    def aside(nbytes):
+        out = real_aside(nbytes)
+        asides.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(_single, "scatter_file", scatter)
+    monkeypatch.setattr(_single, "_aside", aside)
     live = _state(9)
-    before = _snapshot(live)
-    torch.manual_seed(5)
-    rng = torch.get_rng_state()
-    assert make_mgr(root).load(live) is None  # resume="auto": a fresh start ...
-    assert _same(_snapshot(live), before)  # ... from the state as it was, nothing of step 3 in it
-    assert torch.equal(torch.get_rng_state(), rng)
-    with pytest.raises(Exception, match="checksum"):
-        make_mgr(root, resume="required").load(live)
+    before = _pointers(live)
+    assert make_mgr(root).load(live) == 3
+    assert _same(_snapshot(live), want) and _pointers(live) == before
+    tensors = sum(t.numel() * t.element_size() for t in _state(0)["model"].state_dict().values()) * 3
+    assert into_buffer and into_buffer[0] * 4096 < tensors / 4  # the tensors' pages were never written there
+    assert len(asides) == 1 and asides[0]() is None  # one buffer set aside, freed
 
 
 def _pointers(state) -> list[int]:

@@ -220,3 +220,39 @@ def test_a_dcp_checkpoint_loads_onto_the_gpu_through_the_streaming_reader(tmp_pa
     for pid, st in state["optimizer"].state_dict()["state"].items():
         want = reference["optimizer"].state_dict()["state"][pid]
         assert all(torch.equal(torch.as_tensor(v).cpu(), torch.as_tensor(want[k])) for k, v in st.items())
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["valid", "corrupt"])
+def test_the_only_checkpoint_onto_the_gpu_leaves_the_live_state_as_it_was_when_corrupt(tmp_path: Path, monkeypatch,
+                                                                                     corrupt: bool) -> None:
+    """Nothing older to fall back on: a fresh optimizer's moments (memory the load makes) are
+    copied straight to the GPU, the live parameters are read into host memory of their own and
+    copied in once the file checks out. Valid: step 3's values. Corrupt: the parameters as they
+    were, the optimizer still without state (a fresh start), no moment copied over by then kept."""
+    root = tmp_path / "ck"
+    mgr = ftkit.checkpoint.Checkpointer(CheckpointConfig(root=root), events=None)
+    newest = _cuda_state(3)
+    mgr.save(3, newest)
+    want = _values(newest)
+    if corrupt:
+        f = root / "step-00000003" / "rank-00000.pt"
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        f.write_bytes(bytes(data))
+    torch.manual_seed(9)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8)).cuda()
+    live = {"model": model, "optimizer": torch.optim.Adam(model.parameters())}
+    before = [t.detach().cpu().clone() for t in model.state_dict().values()]
+    pointers = [t.data_ptr() for t in model.state_dict().values()]
+    written = _device_writes(monkeypatch)
+    got = ftkit.checkpoint.Checkpointer(CheckpointConfig(root=root), events=None).load(live)
+    model_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    assert sum(written) >= 2 * model_bytes  # the moments went by device copies as they arrived
+    assert [t.data_ptr() for t in model.state_dict().values()] == pointers
+    if corrupt:
+        assert got is None and not live["optimizer"].state
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(model.state_dict().values(), before, strict=True))
+    else:
+        assert got == 3
+        have = _values(live)
+        assert len(have) == len(want) and all(torch.equal(a, b) for a, b in zip(have, want, strict=True))

@@ -237,6 +237,11 @@ class Checkpointer(CheckpointManager):
             # if this one turns out corrupt during the read
             direct = step is None and any(validate_dir(p).valid for p in candidates[i + 1 :])
             info = validate_dir(path)  # read once here: each step below works from it
+            # else (the only checkpoint, or the step asked for) straight in too where the reader
+            # can undo it (one process, a state file): what it overwrites is set aside on the
+            # way and put back if the file turns out corrupt (a fresh start follows, or an error)
+            guarded = (not direct and damaged is None and not self.comm.distributed
+                       and info.valid and not is_dcp(info.files))
             self._written = {}  # what this candidate's _try_load reads into, if it runs
             problem = self._check_here(path, info, streamed=direct)
             early = self._start_read(path, info) if direct and not problem else None
@@ -250,7 +255,7 @@ class Checkpointer(CheckpointManager):
                         raise CheckpointError(problem[len(_REFUSED):])
                     if not problem:
                         problem = self._try_load(state, path, info, into_live=direct, early=early,
-                                                 cover=damaged is not None)
+                                                 cover=damaged is not None, undo=guarded)
                 except Exception as exc:  # a refusal, a restore that fails: the state keeps the corrupt bytes
                     if damaged is None:
                         raise
@@ -376,7 +381,7 @@ class Checkpointer(CheckpointManager):
         return ", ".join(left)
 
     def _try_load(self, state: Mapping[str, Any], path: Path, info: CheckpointInfo, *, into_live: bool = False,
-                  early: _EarlyRead | None = None, cover: bool = False) -> str:
+                  early: _EarlyRead | None = None, cover: bool = False, undo: bool = False) -> str:
         """Load ``path`` (``info``: its validation) into ``state`` on any number of ranks
         (``state.keys``'s world-size rule).
 
@@ -387,7 +392,9 @@ class Checkpointer(CheckpointManager):
         the file's tensors are read straight into the live tensors that take them
         (:func:`ftkit.checkpoint.io.statefile.read_state_into`), so a corrupt file leaves its
         bytes there; ``_written`` says where. ``cover``: note in ``_covered`` what the load
-        restored, for a corrupt file's bytes it must overwrite (``_left_over``).
+        restored, for a corrupt file's bytes it must overwrite (``_left_over``). ``undo`` (one
+        process, a state file): read straight into the live tensors too, but a corrupt file
+        leaves them as they were (``read_state_into``'s ``undo``).
         """
         self._written = {}
         sharded = is_dcp(info.files)
@@ -399,7 +406,7 @@ class Checkpointer(CheckpointManager):
             problem = ""
             payload, available = {}, set()
             try:
-                payload = self._read(state, path, info, name, into_live=into_live)
+                payload = self._read(state, path, info, name, into_live=into_live, undo=undo)
                 available = set(payload["state"])
                 if sharded:
                     from .dcp import saved_keys
@@ -495,7 +502,7 @@ class Checkpointer(CheckpointManager):
         return ""
 
     def _read(self, state: Mapping[str, Any], path: Path, info: CheckpointInfo, name: str, *,
-              into_live: bool) -> dict[str, Any]:
+              into_live: bool, undo: bool = False) -> dict[str, Any]:
         """This rank's state file of ``path``, read and parsed (``_try_load`` without an early read)."""
         sharded = is_dcp(info.files)
         verify = self.config.verify_on_load  # a state file is checked as it is read
@@ -505,9 +512,16 @@ class Checkpointer(CheckpointManager):
             problem = verify_files(path, info.files, dcp_files, cache=True)
             if problem:
                 raise CheckpointError(problem)
-        if into_live and not sharded and not self.comm.distributed:
-            return read_state_into(path, name, info.files[name], lambda p: self._targets(state, p, path),
-                                   verify=verify, direct=self.config.direct_io)
+        if (into_live or undo) and not sharded and not self.comm.distributed:
+            live: set[int] = set()  # ids of the live tensors among the targets (not a moment's new memory)
+
+            def targets(payload: dict[str, Any]) -> Mapping[int, Any]:
+                found = self._targets(state, payload, path)
+                live.update(id(t) for kept in self._written.values() for t in kept or ())
+                return found
+
+            return read_state_into(path, name, info.files[name], targets, verify=verify,
+                                   direct=self.config.direct_io, undo=(lambda t: id(t) in live) if undo else None)
         return read_state_file(path, name, info.files[name], verify=verify, mmap=True,
                                direct=self.config.direct_io)
 

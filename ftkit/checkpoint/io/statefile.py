@@ -403,6 +403,33 @@ def destination(t: torch.Tensor, copies: DeviceCopies | None) -> memoryview | De
     return tensor_memory(t.detach())
 
 
+def _aside(nbytes: int) -> torch.Tensor:
+    """Memory for the live bytes :class:`_Undoable` sets aside: small pages, not huge ones,
+    which after a while of page-cache churn the kernel compacts memory to make, for seconds
+    (a 1 GB load here: 0.8 s with small pages, 1.9-3.9 s with ``MADV_HUGEPAGE``)."""
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class _Undoable:
+    """A live host tensor's memory that a corrupt file must leave as it was (a
+    :class:`ftkit.checkpoint.io.reader.Destination`): before the file's bytes are written over
+    a part of it, that part is copied aside; :meth:`undo` puts back every part written."""
+
+    def __init__(self, live: int, aside: int) -> None:
+        self.live, self.aside = live, aside  # addresses of the tensor's bytes and of their copy
+        self.spans: list[tuple[int, int]] = []  # (at, n) written so far (list.append: thread-safe)
+
+    def write(self, at: int, src: int, n: int) -> None:
+        ctypes.memmove(self.aside + at, self.live + at, n)
+        self.spans.append((at, n))
+        ctypes.memmove(self.live + at, src, n)
+
+    def undo(self) -> None:
+        for at, n in self.spans:
+            ctypes.memmove(self.live + at, self.aside + at, n)
+        self.spans.clear()
+
+
 def read_state_into(
     directory: Path,
     name: str,
@@ -411,6 +438,7 @@ def read_state_into(
     *,
     verify: bool = True,
     direct: bool | None = None,
+    undo: Callable[[torch.Tensor], bool] | None = None,
 ) -> dict[str, Any]:
     """:func:`read_state_file`, with the bytes of some tensors read straight into live ones.
 
@@ -425,23 +453,34 @@ def read_state_into(
     its own, and ``payload["owned"]`` is True when none is a view of a shared read buffer
     (then :func:`ftkit.checkpoint.state.restore.own_tensors` has nothing to copy). On :class:`CheckpointError` the
     live tensors may hold the corrupt file's bytes: the caller must have an older checkpoint
-    to overwrite them with."""
+    to overwrite them with.
+
+    ``undo(live)``: that live tensor must hold what it held before if the file turns out
+    corrupt (the only checkpoint, which a fresh start may follow). In host memory, each part
+    of it is copied aside just before the file's bytes are written over it, on the placing
+    threads while the device reads on (so the read stays one pass at the device's speed, for
+    one more copy in memory and the aside memory, at most the size of those tensors); on any
+    error the parts written are put back before this raises. One on a GPU is read into host
+    memory of its own and copied into it once the file checks out, as a payload tensor of
+    another layout is. The tensors ``undo`` declines (an optimizer's moments in memory the
+    load just made for them) are read into straight away."""
     if not _PARSE_IN_PLACE:  # no in-place parse, nothing to aim at: the plain read
         return read_state_file(directory, name, meta, verify=verify, direct=direct)
     try:
-        return _read_state_into(directory, name, meta, targets, verify=verify, direct=direct, guess=True)
+        return _read_state_into(directory, name, meta, targets, verify=verify, direct=direct, guess=True, undo=undo)
     except LayoutGuess as exc:  # a zip writer of another kind: read again, the local headers first
         log.info("%s: %s; reading it again, its local headers first", directory / name, exc)
-    return _read_state_into(directory, name, meta, targets, verify=verify, direct=direct, guess=False)
+    return _read_state_into(directory, name, meta, targets, verify=verify, direct=direct, guess=False, undo=undo)
 
 
 def _read_state_into(directory: Path, name: str, meta: Mapping[str, Any],
                      targets: Callable[[dict[str, Any]], Mapping[int, torch.Tensor]], *, verify: bool,
-                     direct: bool | None, guess: bool) -> dict[str, Any]:
+                     direct: bool | None, guess: bool,
+                     undo: Callable[[torch.Tensor], bool] | None = None) -> dict[str, Any]:
     """:func:`read_state_into`; ``guess``: the local headers' places inferred from the archive's
     directory and checked once the file is read (:class:`LayoutGuess` when one is wrong)."""
     path = directory / name
-    holder: dict[str, Any] = {"fresh": 0}
+    holder: dict[str, Any] = {"fresh": 0, "undo": []}
 
     def plan(mapping: Any, view: memoryview, fetch: Fetch) -> list[Target]:
         records, holder["checks"] = _fetch_all_but_storages(view, fetch, guess)
@@ -475,9 +514,11 @@ def _read_state_into(directory: Path, name: str, meta: Mapping[str, Any],
                 # no live tensor takes it: memory of its own (the load keeps it), not the buffer
                 live = _fresh(saved)
                 holder["fresh"] += saved.numel() * saved.element_size()
-            elif not (placeable(live, copies) and live.is_contiguous()):
+            elif not (placeable(live, copies) and live.is_contiguous()) or (
+                    undo is not None and live.device.type != "cpu" and undo(live)):
                 # a live tensor of another layout (a channels_last weight's moments, a conj
-                # view): read into memory of its own, copied into it once the file checks out
+                # view), or a GPU's that must survive a corrupt file: read into memory of its
+                # own, copied into it once the file checks out
                 live, later = _fresh(saved), live
             start = saved.data_ptr() - base
             aims.append((start, start + saved.numel() * saved.element_size(), id(saved), live, later))
@@ -489,7 +530,23 @@ def _read_state_into(directory: Path, name: str, meta: Mapping[str, Any],
         holder["swap"] = swap
         holder["later"] = [(a[3], a[4]) for a in alone if a[4] is not None]
         holder["owned"] = len(swap) == len(_tensors(payload))
-        return [(a[0], a[1], destination(a[3], copies)) for a in alone]
+        guarded = {a[2] for a in alone if undo is not None and a[4] is None and a[3].device.type == "cpu"
+                   and a[3] is wanted.get(a[2]) and undo(a[3])}
+        aside_at = 0
+        if guarded:  # one buffer for the copies set aside: fresh memory, faulted in as it is written
+            aside = sum(a[1] - a[0] for a in alone if a[2] in guarded)
+            holder["aside"] = _aside(aside)
+            holder["fresh"] += aside
+            aside_at = holder["aside"].data_ptr()
+        out: list[Target] = []
+        for a in alone:
+            if a[2] in guarded:
+                out.append((a[0], a[1], _Undoable(a[3].data_ptr(), aside_at)))
+                holder["undo"].append(out[-1][2])
+                aside_at += a[1] - a[0]
+            else:
+                out.append((a[0], a[1], destination(a[3], copies)))
+        return out
 
     # live tensors on a GPU: pinned staging, each piece copied to the device as it arrives
     with load_copies(chunk=CHUNK, count=STAGING // CHUNK) as copies:
@@ -499,14 +556,16 @@ def _read_state_into(directory: Path, name: str, meta: Mapping[str, Any],
                                    # a fresh optimizer's moments: page faults, which more threads share
                                    placers=lambda: _reader.FRESH_WORKERS if holder["fresh"] >= FRESH_THREADS else _reader.WORKERS)
             check_guess(view, holder["checks"])  # the bytes parsed are the file's: so are the places?
-        except LayoutGuess:
-            raise
-        except FileProblem as exc:
-            raise CheckpointError(f"{directory}: {exc}") from exc
-        except CheckpointError:
-            raise
-        except Exception as exc:
+        except BaseException as exc:
+            for part in holder["undo"]:  # (the placing threads are done) what must survive, put back
+                part.undo()
+            if isinstance(exc, (LayoutGuess, CheckpointError)) or not isinstance(exc, Exception):
+                raise
+            if isinstance(exc, FileProblem):
+                raise CheckpointError(f"{directory}: {exc}") from exc
             raise CheckpointError(f"cannot load {path}: {exc}") from exc
+        finally:
+            holder.pop("aside", None)  # the copies set aside: freed once the file checks out
     with torch.no_grad():
         for fresh, live in holder["later"]:
             live.copy_(fresh)
