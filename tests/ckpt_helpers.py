@@ -164,7 +164,10 @@ def load_main(argv: list[str]) -> None:
     fails (a RuntimeError of no checkpoint's making), to show what the other ranks do then.
     ``--extra-key-on R``: rank R's state has a key no checkpoint has (the others' not).
     ``--fail-restore-on R``: rank R's scheduler refuses its saved state (the state's failure,
-    after the files were read and agreed on)."""
+    after the files were read and agreed on). ``--change-after-check R``: once rank R checked
+    its share of the files, a byte of its DCP file changes (another process writing it).
+    ``--out PATH``: the model's and optimizer's state dicts after the load, to ``PATH.rankR``.
+    Before the last line, one line per DCP streaming reader: ``reader direct=... read=[...]``."""
     import torch.distributed as dist
 
     from ftkit.checkpoint import CheckpointConfig, make_manager
@@ -176,6 +179,8 @@ def load_main(argv: list[str]) -> None:
     ap.add_argument("--fail-read-on", type=int)
     ap.add_argument("--extra-key-on", type=int)
     ap.add_argument("--fail-restore-on", type=int)
+    ap.add_argument("--change-after-check", type=int)
+    ap.add_argument("--out")
     a = ap.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:
@@ -193,10 +198,41 @@ def load_main(argv: list[str]) -> None:
         def refuse(saved):
             raise RuntimeError(f"rank {rank}: the scheduler refused its state on purpose")
         state["scheduler"].load_state_dict = refuse
+    readers: list[tuple] = []
+    real_init = StreamingReader.__init__
+
+    def spy(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        readers.append((kwargs.get("direct"), self))
+
+    StreamingReader.__init__ = spy  # type: ignore[method-assign]
+    mgr = make_manager(CheckpointConfig(root=a.root), rank=rank, world_size=world)
+    if rank == a.change_after_check:
+        real_check = type(mgr)._check_here
+
+        def check_then_change(self, path, info, **kwargs):
+            problem = real_check(self, path, info, **kwargs)
+            own = sorted((path / "dcp").glob(f"__{rank}_*.distcp"))[0]
+            with open(own, "r+b") as f:  # through the page cache, where the checked bytes are
+                f.seek(own.stat().st_size // 2)
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0x10]))
+            return problem
+
+        type(mgr)._check_here = check_then_change  # type: ignore[method-assign]
     try:
-        print(f"loaded {make_manager(CheckpointConfig(root=a.root), rank=rank, world_size=world).load(state)}")
+        said = f"loaded {mgr.load(state)}"
     except CheckpointError as exc:
-        print(f"CheckpointError: {exc}")
+        said = f"CheckpointError: {exc}"
+    if a.out:
+        import torch
+
+        raw = state["model"].module if hasattr(state["model"], "module") else state["model"]
+        torch.save({"model": raw.state_dict(), "optimizer": state["optimizer"].state_dict()}, f"{a.out}.rank{rank}")
+    for direct, reader in readers:
+        print(f"reader direct={direct} read={reader.files_read}")
+    print(said)
 
 
 if __name__ == "__main__":

@@ -1101,6 +1101,45 @@ def test_a_dcp_read_that_fails_on_one_rank_fails_the_load_on_every_rank_naming_i
     assert [out.strip().splitlines()[-1] for out in outs] == ["loaded 7", "loaded 7"]
 
 
+@pytest.mark.parametrize("case", ["valid", "corrupt", "changed-after-the-check"])
+def test_two_ranks_check_their_only_dcp_checkpoint_then_stream_it_from_the_page_cache(tmp_path, case):
+    """Two ranks, a DCP checkpoint with nothing older to fall back on: each rank checks its
+    share of the files first (through the page cache), and only then are they streamed into
+    the live tensors, from the page cache (not ``O_DIRECT``, not DCP's own reader), each rank
+    its own file, exactly. A corrupt file is found by the check: every rank starts fresh, its
+    state as built. A file that changes between the check and the read (its CRC-32 is taken
+    again as it streams) leaves its bytes in the state: every rank's load fails, saying so."""
+    from tests.ckpt_helpers import build_state
+
+    root = tmp_path / "ck"
+    out = tmp_path / "trained"
+    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4", "--out", str(out)], 2)
+    if case == "corrupt":
+        _flip_dcp_file(root, 4, 1)
+    extra = ["--change-after-check", "1"] if case == "changed-after-the-check" else []
+    outs = run_ranks(["load", "--root", str(root), "--out", str(tmp_path / "loaded"), *extra], 2, timeout=90)
+    lines = [out.strip().splitlines() for out in outs]
+    fresh, _ = build_state()
+    for rank, said in enumerate(lines):
+        got = torch.load(f"{tmp_path / 'loaded'}.rank{rank}", weights_only=True)
+        if case == "valid":
+            assert said[-2:] == [f"reader direct=False read=['__{rank}_0.distcp']", "loaded 4"], said
+            want = torch.load(f"{out}.rank{rank}", weights_only=True)
+            assert all(torch.equal(v, want["model"][k]) for k, v in got["model"].items())
+            for pid, st in got["optimizer"]["state"].items():
+                assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(want["optimizer"]["state"][pid][k]))
+                           for k, v in st.items())
+        elif case == "corrupt":
+            # rank 0's check passed and its read began, stopped once rank 1's problem was agreed on
+            assert said[-1] == "loaded None", said
+            assert all(line.endswith("read=[]") for line in said if line.startswith("reader")), said
+            assert all(torch.equal(v, fresh["model"].state_dict()[k]) for k, v in got["model"].items())
+            assert not got["optimizer"]["state"]
+        else:
+            assert re.match(r"CheckpointError: .*step-00000004 was found corrupt while it was read into the live "
+                            r"state, and no older checkpoint .* could be loaded", said[-1]), said
+
+
 def test_crc32_combine_gives_zlibs_crc_of_the_joined_bytes_in_both_implementations():
     """The reader checksums pieces on several threads and joins their CRC-32s in file order:
     zlib-ng's ``crc32_combine`` and the Python one used without zlib-ng give zlib's value for

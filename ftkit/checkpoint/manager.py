@@ -242,9 +242,14 @@ class Checkpointer(CheckpointManager):
             # way and put back if the file turns out corrupt (a fresh start follows, or an error)
             guarded = (not direct and damaged is None and not self.comm.distributed
                        and info.valid and not is_dcp(info.files))
+            # several ranks, a DCP checkpoint: its files are checked first (each by the rank that
+            # reads it, through the page cache), and only then streamed into the live tensors
+            # from there; should a file differ on that second read, the state holds its bytes
+            checked = (not direct and damaged is None and self.comm.distributed and self.config.verify_on_load
+                       and info.valid and is_dcp(info.files))
             self._written = {}  # what this candidate's _try_load reads into, if it runs
             problem = self._check_here(path, info, streamed=direct)
-            early = self._start_read(path, info) if direct and not problem else None
+            early = self._start_read(path, info, cached=checked) if (direct or checked) and not problem else None
             try:
                 refused = (self._refusal(state, early.available, path)
                            if early is not None and not early.problem else "")
@@ -254,14 +259,14 @@ class Checkpointer(CheckpointManager):
                     if problem.startswith(_REFUSED):  # a key some rank's state has and the checkpoint not
                         raise CheckpointError(problem[len(_REFUSED):])
                     if not problem:
-                        problem = self._try_load(state, path, info, into_live=direct, early=early,
+                        problem = self._try_load(state, path, info, into_live=direct or checked, early=early,
                                                  cover=damaged is not None, undo=guarded)
                 except Exception as exc:  # a refusal, a restore that fails: the state keeps the corrupt bytes
                     if damaged is None:
                         raise
                     raise CheckpointError(_holds_corrupt(damaged, f"loading {path} instead failed ({exc})",
                                                          self.root)) from exc
-                if problem and direct and self._written:
+                if problem and (direct or checked) and self._written:
                     damaged = damaged or path
                     for key, tensors in self._written.items():
                         held.setdefault(key, []).extend(
@@ -332,20 +337,22 @@ class Checkpointer(CheckpointManager):
             log.warning("%s has no %s although saved by %d ranks; using rank 0's", path, name, info.world_size)
         return rank_file(0), False
 
-    def _start_read(self, path: Path, info: CheckpointInfo) -> _EarlyRead | None:
+    def _start_read(self, path: Path, info: CheckpointInfo, *, cached: bool = False) -> _EarlyRead | None:
         """A DCP checkpoint read straight into the live tensors starts before the ranks agree
         that it is valid: this rank's state file is read (a small read), its own DCP file starts
         streaming (:meth:`ftkit.checkpoint.dcp_reader.StreamingReader.prefetch`), and while it
         streams the state file is parsed and the checkpoint's keys read from DCP's metadata, so
         one agreement covers all of it and DCP's planning overlaps the bulk read. Nothing
-        reaches the live state before the load is agreed. None for other checkpoints."""
+        reaches the live state before the load is agreed. None for other checkpoints.
+        ``cached``: the files were just checked through the page cache, and are read from
+        there (not with ``O_DIRECT``, which would read them from the disk again)."""
         if not is_dcp(info.files):
             return None
         from .dcp import saved_keys
         from .dcp_reader import StreamingReader
 
         reader = StreamingReader(path / DCP_DIR, info.files, verify=self.config.verify_on_load,
-                                 direct=self.config.direct_io, rank=self.rank,
+                                 direct=False if cached else self.config.direct_io, rank=self.rank,
                                  world_size=self.world_size if self.comm.distributed else 1)
         early = _EarlyRead(reader, *self._state_file(info, path))
         try:
