@@ -166,6 +166,8 @@ def load_main(argv: list[str]) -> None:
     ``--fail-restore-on R``: rank R's scheduler refuses its saved state (the state's failure,
     after the files were read and agreed on). ``--change-after-check R``: once rank R checked
     its share of the files, a byte of its DCP file changes (another process writing it).
+    ``--check-first``: the ranks load a DCP checkpoint with nothing older as they do where
+    its state is not all in host memory (its files checked first, then streamed in).
     ``--out PATH``: the model's and optimizer's state dicts after the load, to ``PATH.rankR``.
     Before the last line, one line per DCP streaming reader: ``reader direct=... read=[...]``."""
     import torch.distributed as dist
@@ -180,6 +182,7 @@ def load_main(argv: list[str]) -> None:
     ap.add_argument("--extra-key-on", type=int)
     ap.add_argument("--fail-restore-on", type=int)
     ap.add_argument("--change-after-check", type=int)
+    ap.add_argument("--check-first", action="store_true")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -206,6 +209,10 @@ def load_main(argv: list[str]) -> None:
         readers.append((kwargs.get("direct"), self))
 
     StreamingReader.__init__ = spy  # type: ignore[method-assign]
+    if a.check_first:
+        from ftkit.checkpoint.state.restore import SetAside
+
+        SetAside.fits = staticmethod(lambda state, sharing=1: False)  # type: ignore[method-assign]
     mgr = make_manager(CheckpointConfig(root=a.root), rank=rank, world_size=world)
     if rank == a.change_after_check:
         real_check = type(mgr)._check_here

@@ -1101,14 +1101,45 @@ def test_a_dcp_read_that_fails_on_one_rank_fails_the_load_on_every_rank_naming_i
     assert [out.strip().splitlines()[-1] for out in outs] == ["loaded 7", "loaded 7"]
 
 
-@pytest.mark.parametrize("case", ["valid", "corrupt", "changed-after-the-check"])
-def test_two_ranks_check_their_only_dcp_checkpoint_then_stream_it_from_the_page_cache(tmp_path, case):
-    """Two ranks, a DCP checkpoint with nothing older to fall back on: each rank checks its
-    share of the files first (through the page cache), and only then are they streamed into
-    the live tensors, from the page cache (not ``O_DIRECT``, not DCP's own reader), each rank
-    its own file, exactly. A corrupt file is found by the check: every rank starts fresh, its
-    state as built. A file that changes between the check and the read (its CRC-32 is taken
-    again as it streams) leaves its bytes in the state: every rank's load fails, saying so."""
+def test_a_set_aside_puts_the_values_back_and_takes_state_from_a_fresh_optimizer_only_where_room_is(monkeypatch):
+    """What a one-pass load of the only DCP checkpoint copies aside: every tensor of the
+    modules and optimizers (a tied one once), and which optimizers had no state. ``undo`` puts
+    the values back and empties those optimizers again. Only where the copies fit in half of
+    the host's available memory, for as many ranks as share it; else the load checks first."""
+    from ftkit.checkpoint.state import restore as _restore
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    fresh, used = torch.optim.Adam(model.parameters()), _state(1)
+    state = {"model": model, "fresh": fresh, "used": used["model"], "used_opt": used["optimizer"], "n": 3}
+    before = [t.clone() for v in (model, used["model"], used["optimizer"]) for t in _restore.reachable_tensors(v)]
+    kept = _restore.SetAside(state)
+    model(torch.randn(2, 64)).sum().backward()
+    fresh.step()  # as DCP's get_optimizer_state_dict gives a fresh optimizer state before it reads
+    used["model"](torch.randn(2, 300)).sum().backward()
+    used["optimizer"].step()
+    kept.undo()
+    after = [t for v in (model, used["model"], used["optimizer"]) for t in _restore.reachable_tensors(v)]
+    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    assert not fresh.state and used["optimizer"].state
+    nbytes = sum(t.numel() * t.element_size() for t in before)
+    monkeypatch.setattr(_restore, "_available", lambda: 4 * nbytes)
+    assert _restore.SetAside.fits(state, 2) and not _restore.SetAside.fits(state, 3)
+
+
+@pytest.mark.parametrize("how,case", [("one-pass", "valid"), ("one-pass", "corrupt"), ("check-first", "valid"),
+                                      ("check-first", "changed-after-the-check")])
+def test_two_ranks_load_their_only_dcp_checkpoint_in_one_pass_or_checked_first(tmp_path, how, case):
+    """Two ranks, a DCP checkpoint with nothing older to fall back on.
+
+    One pass (every rank's modules and optimizers in host memory): each rank copies them aside,
+    streams its own file straight into them (``O_DIRECT``, as with an older checkpoint), and a
+    corrupt file on rank 1 makes both ranks put them back: a fresh start from the state as
+    built, the optimizer without state again (DCP gave it some before it read).
+    Checked first (elsewhere: a GPU's state): each rank checks its share of the files through
+    the page cache, then streams its own from there (not ``O_DIRECT``, not DCP's own reader),
+    its CRC-32 taken again; a file that changes in between is found then, with its bytes in
+    the state: every rank's load fails, saying so. Valid: exactly the trained state."""
     from tests.ckpt_helpers import build_state
 
     root = tmp_path / "ck"
@@ -1116,23 +1147,26 @@ def test_two_ranks_check_their_only_dcp_checkpoint_then_stream_it_from_the_page_
     run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4", "--out", str(out)], 2)
     if case == "corrupt":
         _flip_dcp_file(root, 4, 1)
-    extra = ["--change-after-check", "1"] if case == "changed-after-the-check" else []
+    extra = ["--check-first"] if how == "check-first" else []
+    extra += ["--change-after-check", "1"] if case == "changed-after-the-check" else []
     outs = run_ranks(["load", "--root", str(root), "--out", str(tmp_path / "loaded"), *extra], 2, timeout=90)
     lines = [out.strip().splitlines() for out in outs]
     fresh, _ = build_state()
+    direct = "False" if how == "check-first" else "None"  # None: O_DIRECT where the filesystem takes it
     for rank, said in enumerate(lines):
         got = torch.load(f"{tmp_path / 'loaded'}.rank{rank}", weights_only=True)
         if case == "valid":
-            assert said[-2:] == [f"reader direct=False read=['__{rank}_0.distcp']", "loaded 4"], said
+            assert said[-2:] == [f"reader direct={direct} read=['__{rank}_0.distcp']", "loaded 4"], said
             want = torch.load(f"{out}.rank{rank}", weights_only=True)
             assert all(torch.equal(v, want["model"][k]) for k, v in got["model"].items())
+            assert got["optimizer"]["state"].keys() == want["optimizer"]["state"].keys()
             for pid, st in got["optimizer"]["state"].items():
                 assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(want["optimizer"]["state"][pid][k]))
                            for k, v in st.items())
         elif case == "corrupt":
-            # rank 0's check passed and its read began, stopped once rank 1's problem was agreed on
-            assert said[-1] == "loaded None", said
-            assert all(line.endswith("read=[]") for line in said if line.startswith("reader")), said
+            # rank 0 read its file, valid, into its state; rank 1 found its own corrupt
+            assert said[-2:] == [f"reader direct=None read={['__0_0.distcp'] if rank == 0 else []}",
+                                 "loaded None"], said
             assert all(torch.equal(v, fresh["model"].state_dict()[k]) for k, v in got["model"].items())
             assert not got["optimizer"]["state"]
         else:

@@ -45,7 +45,14 @@ from .io.statefile import (
 )
 from .protocol import CheckpointManager
 from .state.keys import check_missing, describe_rule, is_dcp, match_keys, refusal
-from .state.restore import live_targets, on_gpu, own_tensors, reachable_tensors, restore_state
+from .state.restore import (
+    SetAside,
+    live_targets,
+    on_gpu,
+    own_tensors,
+    reachable_tensors,
+    restore_state,
+)
 from .state.snapshot import Snapshot, derive_rng, restore_rng, take_snapshot
 
 __all__ = ["Checkpointer"]
@@ -53,6 +60,14 @@ __all__ = ["Checkpointer"]
 log = logging.getLogger(__name__)
 
 _REFUSED = "\x00refused\x00"  # a rank's problem that is a refusal to load (raised), not a broken file (skipped)
+
+
+def _local_ranks(world_size: int) -> int:
+    """How many ranks this host runs, at most: torchrun's ``LOCAL_WORLD_SIZE``, else all."""
+    try:
+        return min(world_size, int(os.environ["LOCAL_WORLD_SIZE"]))
+    except (KeyError, ValueError):
+        return world_size
 
 
 def _holds_corrupt(damaged: Path, what: str, root: Path) -> str:
@@ -247,9 +262,16 @@ class Checkpointer(CheckpointManager):
             # from there; should a file differ on that second read, the state holds its bytes
             checked = (not direct and damaged is None and self.comm.distributed and self.config.verify_on_load
                        and info.valid and is_dcp(info.files))
+            # ... unless every rank's modules and optimizers live in host memory: then each rank
+            # copies them aside first, reads in one pass as with an older checkpoint, and puts
+            # them back should any rank find a file corrupt (or the load fail)
+            aside = checked and not self.comm.anyone(not SetAside.fits(state, _local_ranks(self.world_size)))
+            checked = checked and not aside
             self._written = {}  # what this candidate's _try_load reads into, if it runs
-            problem = self._check_here(path, info, streamed=direct)
-            early = self._start_read(path, info, cached=checked) if (direct or checked) and not problem else None
+            problem = self._check_here(path, info, streamed=direct or aside)
+            early = (self._start_read(path, info, cached=checked)
+                     if (direct or checked or aside) and not problem else None)
+            kept: SetAside | None = None
             try:
                 refused = (self._refusal(state, early.available, path)
                            if early is not None and not early.problem else "")
@@ -259,13 +281,21 @@ class Checkpointer(CheckpointManager):
                     if problem.startswith(_REFUSED):  # a key some rank's state has and the checkpoint not
                         raise CheckpointError(problem[len(_REFUSED):])
                     if not problem:
-                        problem = self._try_load(state, path, info, into_live=direct or checked, early=early,
-                                                 cover=damaged is not None, undo=guarded)
+                        kept = SetAside(state) if aside else None
+                        problem = self._try_load(state, path, info, into_live=direct or checked or aside,
+                                                 early=early, cover=damaged is not None, undo=guarded)
+                        if problem and kept is not None:
+                            kept.undo()  # every rank skips it: the state is as it was
+                            self._written = {}
                 except Exception as exc:  # a refusal, a restore that fails: the state keeps the corrupt bytes
+                    if kept is not None:
+                        kept.undo()
                     if damaged is None:
                         raise
                     raise CheckpointError(_holds_corrupt(damaged, f"loading {path} instead failed ({exc})",
                                                          self.root)) from exc
+                finally:
+                    kept = None  # the copies: freed before an older checkpoint loads
                 if problem and (direct or checked) and self._written:
                     damaged = damaged or path
                     for key, tensors in self._written.items():

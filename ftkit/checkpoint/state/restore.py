@@ -24,8 +24,8 @@ from torch.nn.parameter import is_lazy
 
 from .snapshot import is_stateful
 
-__all__ = ["clone_tensors", "live_targets", "on_gpu", "optimizer_homes", "own_tensors", "reachable_tensors",
-           "restore_state"]
+__all__ = ["SetAside", "clone_tensors", "live_targets", "on_gpu", "optimizer_homes", "own_tensors",
+           "reachable_tensors", "restore_state"]
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,60 @@ def reachable_tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in reachable_tensors(v)]
     return []
+
+
+class SetAside:
+    """A copy of what a load into the live modules and optimizers of ``state`` may change, to
+    put back (:meth:`undo`) when the load turns out not to happen (a corrupt file found while
+    it was read in, on any rank): their tensors' values, and which optimizers had no state yet
+    (DCP gives those state before it reads: :meth:`undo` takes it away again)."""
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        live = _modules_and_optimizers(state)
+        seen: set[int] = set()
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        with torch.no_grad():
+            for t in (t for v in live for t in reachable_tensors(v)):
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    self._copies.append((t, t.detach().clone()))
+        self._fresh = [v for v in live if isinstance(v, torch.optim.Optimizer) and not v.state]
+
+    @staticmethod
+    def fits(state: Mapping[str, Any], sharing: int = 1) -> bool:
+        """Whether a :class:`SetAside` of ``state`` is one in host memory that the host has room
+        for: every tensor of its modules and optimizers a plain CPU tensor (not a GPU's, nor a
+        DTensor's shards), and ``sharing`` such copies (the ranks on this host, at most) no more
+        than half of ``MemAvailable``."""
+        tensors = [t for v in _modules_and_optimizers(state) for t in reachable_tensors(v)]
+        if not all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" for t in tensors):
+            return False
+        nbytes = sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
+        return nbytes * max(1, sharing) <= _available() // 2
+
+    def undo(self) -> None:
+        with torch.no_grad():
+            for live, copy in self._copies:
+                live.copy_(copy)
+        for optimizer in self._fresh:
+            optimizer.state.clear()
+        self._copies = []
+
+
+def _available() -> int:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (0 where it cannot be read)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _modules_and_optimizers(state: Mapping[str, Any]) -> list[Any]:
+    return [v for v in state.values() if isinstance(v, (torch.nn.Module, torch.optim.Optimizer))]
 
 
 def _same_kind(live: Any, saved: Any) -> bool:
