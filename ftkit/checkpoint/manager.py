@@ -264,8 +264,10 @@ class Checkpointer(CheckpointManager):
                        and info.valid and is_dcp(info.files))
             # ... unless every rank's modules and optimizers live in host memory: then each rank
             # copies them aside first, reads in one pass as with an older checkpoint, and puts
-            # them back should any rank find a file corrupt (or the load fail)
-            aside = checked and not self.comm.anyone(not SetAside.fits(state, _local_ranks(self.world_size)))
+            # them back should any rank find a file corrupt (or the load fail); asked on every
+            # rank, whatever its own validation said (a collective every rank makes)
+            fits = not checked or SetAside.fits(state, _local_ranks(self.world_size))
+            aside = not self.comm.anyone(not fits) and checked
             checked = checked and not aside
             self._written = {}  # what this candidate's _try_load reads into, if it runs
             problem = self._check_here(path, info, streamed=direct or aside)
