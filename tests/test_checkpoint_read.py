@@ -1127,14 +1127,16 @@ def test_a_set_aside_puts_the_values_back_and_takes_state_from_a_fresh_optimizer
     assert _restore.SetAside.fits(state, 2) and not _restore.SetAside.fits(state, 3)
 
 
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-process", "two-ranks"])
 @pytest.mark.parametrize("how,case", [("one-pass", "valid"), ("one-pass", "corrupt"), ("check-first", "valid"),
                                       ("check-first", "changed-after-the-check")])
-def test_two_ranks_load_their_only_dcp_checkpoint_in_one_pass_or_checked_first(tmp_path, how, case):
-    """Two ranks, a DCP checkpoint with nothing older to fall back on.
+def test_the_only_dcp_checkpoint_loads_in_one_pass_or_checked_first(tmp_path, how, case, ranks):
+    """A DCP checkpoint saved by two ranks, with nothing older to fall back on, loaded by two
+    ranks or by one process (a requeue onto fewer: it reads both files).
 
     One pass (every rank's modules and optimizers in host memory): each rank copies them aside,
     streams its own file straight into them (``O_DIRECT``, as with an older checkpoint), and a
-    corrupt file on rank 1 makes both ranks put them back: a fresh start from the state as
+    corrupt file (rank 1's) makes every rank put them back: a fresh start from the state as
     built, the optimizer without state again (DCP gave it some before it read).
     Checked first (elsewhere: a GPU's state): each rank checks its share of the files through
     the page cache, then streams its own from there (not ``O_DIRECT``, not DCP's own reader),
@@ -1148,15 +1150,16 @@ def test_two_ranks_load_their_only_dcp_checkpoint_in_one_pass_or_checked_first(t
     if case == "corrupt":
         _flip_dcp_file(root, 4, 1)
     extra = ["--check-first"] if how == "check-first" else []
-    extra += ["--change-after-check", "1"] if case == "changed-after-the-check" else []
-    outs = run_ranks(["load", "--root", str(root), "--out", str(tmp_path / "loaded"), *extra], 2, timeout=90)
+    extra += ["--change-after-check", str(ranks - 1)] if case == "changed-after-the-check" else []
+    outs = run_ranks(["load", "--root", str(root), "--out", str(tmp_path / "loaded"), *extra], ranks, timeout=90)
     lines = [out.strip().splitlines() for out in outs]
     fresh, _ = build_state()
     direct = "False" if how == "check-first" else "None"  # None: O_DIRECT where the filesystem takes it
     for rank, said in enumerate(lines):
         got = torch.load(f"{tmp_path / 'loaded'}.rank{rank}", weights_only=True)
+        own = ["__0_0.distcp", "__1_0.distcp"] if ranks == 1 else [f"__{rank}_0.distcp"]
         if case == "valid":
-            assert said[-2:] == [f"reader direct={direct} read=['__{rank}_0.distcp']", "loaded 4"], said
+            assert said[-2:] == [f"reader direct={direct} read={own}", "loaded 4"], said
             want = torch.load(f"{out}.rank{rank}", weights_only=True)
             assert all(torch.equal(v, want["model"][k]) for k, v in got["model"].items())
             assert got["optimizer"]["state"].keys() == want["optimizer"]["state"].keys()
@@ -1164,7 +1167,7 @@ def test_two_ranks_load_their_only_dcp_checkpoint_in_one_pass_or_checked_first(t
                 assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(want["optimizer"]["state"][pid][k]))
                            for k, v in st.items())
         elif case == "corrupt":
-            # rank 0 read its file, valid, into its state; rank 1 found its own corrupt
+            # rank 0's file, valid, was read into the state; rank 1's found corrupt
             assert said[-2:] == [f"reader direct=None read={['__0_0.distcp'] if rank == 0 else []}",
                                  "loaded None"], said
             assert all(torch.equal(v, fresh["model"].state_dict()[k]) for k, v in got["model"].items())

@@ -257,10 +257,11 @@ class Checkpointer(CheckpointManager):
             # way and put back if the file turns out corrupt (a fresh start follows, or an error)
             guarded = (not direct and damaged is None and not self.comm.distributed
                        and info.valid and not is_dcp(info.files))
-            # several ranks, a DCP checkpoint: its files are checked first (each by the rank that
-            # reads it, through the page cache), and only then streamed into the live tensors
-            # from there; should a file differ on that second read, the state holds its bytes
-            checked = (not direct and damaged is None and self.comm.distributed and self.config.verify_on_load
+            # a DCP checkpoint (one process or several ranks): its files are checked first (with
+            # several ranks, each by the rank that reads it; through the page cache), and only
+            # then streamed into the live tensors from there; should a file differ on that second
+            # read, the state holds its bytes
+            checked = (not direct and damaged is None and self.config.verify_on_load
                        and info.valid and is_dcp(info.files))
             # ... unless every rank's modules and optimizers live in host memory: then each rank
             # copies them aside first, reads in one pass as with an older checkpoint, and puts
@@ -343,18 +344,24 @@ class Checkpointer(CheckpointManager):
         return None
 
     def _check_here(self, path: Path, info: CheckpointInfo, *, streamed: bool = False) -> str:
-        """This rank's part of validating ``path``: sizes; with several ranks also its share of
-        the checksums (not the DCP files when ``streamed``: the ranks that read them check them
-        then, ``.metadata`` each rank as it reads it). Small files, read before any bulk read
-        queues on the device."""
+        """This rank's part of validating ``path``: sizes, and the checksums of what is not
+        checked as it is read (a state file is; the DCP files are when ``streamed``, by the
+        rank that reads each, ``.metadata`` by each rank as it reads it): one process checks
+        every DCP file, several ranks share the files out. Read before any bulk read queues
+        on the device, through the page cache (a load reads them from there next)."""
         if not info.valid:
             return f"{info.status}: {info.reason}"
-        if self.comm.distributed and self.config.verify_on_load:
-            skip = [n for n in info.files if n.startswith("rank-")  # checked as they are read
-                    or (streamed and n.startswith(f"{DCP_DIR}/"))]
-            return verify_files(path, info.files, verify_share(info.files, self.rank, self.world_size, skip=skip),
+        if not self.config.verify_on_load:
+            return ""
+        if not self.comm.distributed:
+            if streamed:
+                return ""
+            return verify_files(path, info.files, [n for n in sorted(info.files) if n.startswith(f"{DCP_DIR}/")],
                                 cache=True)
-        return ""
+        skip = [n for n in info.files if n.startswith("rank-")  # checked as they are read
+                or (streamed and n.startswith(f"{DCP_DIR}/"))]
+        return verify_files(path, info.files, verify_share(info.files, self.rank, self.world_size, skip=skip),
+                            cache=True)
 
     def _agree(self, problem: str) -> str:
         """The first rank's problem with the checkpoint, the same on every rank."""
@@ -544,13 +551,7 @@ class Checkpointer(CheckpointManager):
               into_live: bool, undo: bool = False) -> dict[str, Any]:
         """This rank's state file of ``path``, read and parsed (``_try_load`` without an early read)."""
         sharded = is_dcp(info.files)
-        verify = self.config.verify_on_load  # a state file is checked as it is read
-        if verify and sharded and not self.comm.distributed and not into_live:
-            # one process reads every dcp/ file (with several ranks, _check_here shares them)
-            dcp_files = [f for f in sorted(info.files) if f.startswith(f"{DCP_DIR}/")]
-            problem = verify_files(path, info.files, dcp_files, cache=True)
-            if problem:
-                raise CheckpointError(problem)
+        verify = self.config.verify_on_load  # a state file is checked as it is read (DCP's: _check_here)
         if (into_live or undo) and not sharded and not self.comm.distributed:
             live: set[int] = set()  # ids of the live tensors among the targets (not a moment's new memory)
 
