@@ -22,6 +22,7 @@ import re
 import shutil
 import threading
 import time
+import warnings
 import weakref
 import zlib
 
@@ -362,8 +363,8 @@ def test_with_nothing_older_a_corrupt_newest_leaves_the_live_state_untouched(tmp
     monkeypatch.setattr(_manager, "read_state_into",
                         lambda *a, **k: state_file_reads.append(k.get("undo")) or real_into(*a, **k))
     placed: list[int] = []  # parts of live tensors written over (and set aside first)
-    real_write = _single._Undoable.write
-    monkeypatch.setattr(_single._Undoable, "write", lambda self, at, src, n: placed.append(n) or real_write(self, at, src, n))
+    real_write = _single.Undoable.write
+    monkeypatch.setattr(_single.Undoable, "write", lambda self, at, src, n: placed.append(n) or real_write(self, at, src, n))
     good = path.read_bytes()
     for resume, step in [("auto", None), ("required", None), ("auto", 3)]:
         placed.clear()
@@ -399,7 +400,7 @@ def test_the_only_checkpoint_is_read_straight_into_the_live_tensors_exactly(tmp_
     want = _snapshot(newest)
     into_buffer: list[int] = []
     asides: list[weakref.ref] = []
-    real_scatter, real_aside = _reader.scatter_file, _single._aside
+    real_scatter, real_aside = _reader.scatter_file, _single.aside_memory
 
     def scatter(*args, **kwargs):
         mapping, view = real_scatter(*args, **kwargs)
@@ -412,7 +413,7 @@ def test_the_only_checkpoint_is_read_straight_into_the_live_tensors_exactly(tmp_
         return out
 
     monkeypatch.setattr(_single, "scatter_file", scatter)
-    monkeypatch.setattr(_single, "_aside", aside)
+    monkeypatch.setattr(_single, "aside_memory", aside)
     live = _state(9)
     before = _pointers(live)
     assert make_mgr(root).load(live) == 3
@@ -1101,30 +1102,99 @@ def test_a_dcp_read_that_fails_on_one_rank_fails_the_load_on_every_rank_naming_i
     assert [out.strip().splitlines()[-1] for out in outs] == ["loaded 7", "loaded 7"]
 
 
-def test_a_set_aside_puts_the_values_back_and_takes_state_from_a_fresh_optimizer_only_where_room_is(monkeypatch):
-    """What a one-pass load of the only DCP checkpoint copies aside: every tensor of the
-    modules and optimizers (a tied one once), and which optimizers had no state. ``undo`` puts
-    the values back and empties those optimizers again. Only where the copies fit in half of
-    the host's available memory, for as many ranks as share it; else the load checks first."""
+def test_a_set_aside_names_the_live_memory_and_empties_a_fresh_optimizer_only_where_room_is(monkeypatch):
+    """A one-pass load of the only DCP checkpoint: :class:`SetAside` says which memory is the
+    modules' and optimizers' (a view of it too; not an optimizer's moments made after it, nor
+    other tensors), ``undo`` runs what the writers registered, latest first, and empties the
+    optimizers that had no state. Only where the copies fit in half of the host's available
+    memory, for as many ranks as share it; else the load checks first."""
     from ftkit.checkpoint.state import restore as _restore
 
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
     fresh, used = torch.optim.Adam(model.parameters()), _state(1)
-    state = {"model": model, "fresh": fresh, "used": used["model"], "used_opt": used["optimizer"], "n": 3}
-    before = [t.clone() for v in (model, used["model"], used["optimizer"]) for t in _restore.reachable_tensors(v)]
+    other = torch.zeros(4)
+    state = {"model": model, "fresh": fresh, "used": used["model"], "used_opt": used["optimizer"], "n": 3,
+             "other": other}
     kept = _restore.SetAside(state)
     model(torch.randn(2, 64)).sum().backward()
     fresh.step()  # as DCP's get_optimizer_state_dict gives a fresh optimizer state before it reads
-    used["model"](torch.randn(2, 300)).sum().backward()
-    used["optimizer"].step()
+    moments = [t for s in fresh.state.values() for t in s.values() if t.numel() > 1]
+    old = [t for s in used["optimizer"].state.values() for t in s.values()]
+    assert kept.guard(model.weight) and kept.guard(model.weight.detach()[3:5]) and all(kept.guard(t) for t in old)
+    assert moments and not any(kept.guard(t) for t in moments) and not kept.guard(other)
+    done: list[int] = []
+    kept.by(lambda: done.append(1))
+    kept.by(lambda: done.append(2))
     kept.undo()
-    after = [t for v in (model, used["model"], used["optimizer"]) for t in _restore.reachable_tensors(v)]
-    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
-    assert not fresh.state and used["optimizer"].state
-    nbytes = sum(t.numel() * t.element_size() for t in before)
+    assert done == [2, 1] and not fresh.state and used["optimizer"].state
+    nbytes = sum(t.numel() * t.element_size() for v in (model, used["model"], used["optimizer"])
+                 for t in _restore.reachable_tensors(v))
     monkeypatch.setattr(_restore, "_available", lambda: 4 * nbytes)
     assert _restore.SetAside.fits(state, 2) and not _restore.SetAside.fits(state, 3)
+
+
+@pytest.mark.parametrize("way", ["streamed", "another-layout", "another-ranks-file", "dcp-own-reader"])
+def test_a_guarded_dcp_read_puts_back_every_byte_it_wrote_whichever_way_it_wrote(tmp_path, monkeypatch, way):
+    """A DCP load with nothing older (:class:`SetAside`): the streaming reader sets aside what
+    it writes over in the live modules and optimizers, and ``undo`` puts back every byte of
+    it, whichever way the load wrote: streamed straight into the tensors (each piece set
+    aside on the placing threads), copied once the file was read (a live tensor of another
+    layout), by DCP's own reader (an item of a file another rank reads whole; every item,
+    where the streaming read cannot parse a file). Run here on a load that succeeds, so
+    every byte was written first."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from ftkit.checkpoint import dcp_reader as _dcp_reader
+    from ftkit.checkpoint.dcp import live_state_dicts, sharded_keys
+    from ftkit.checkpoint.format.manifest import validate_dir
+    from ftkit.checkpoint.state.restore import SetAside, reachable_tensors
+    from tests.ckpt_helpers import build_state
+
+    root = tmp_path / "ck"
+    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], 2)
+    step = root / "step-00000004"
+    state, loader = build_state()
+    x, y = next(iter(loader))
+    torch.nn.functional.mse_loss(state["model"](x), y).backward()
+    state["optimizer"].step()  # moments of its own, which the load writes over too
+    if way == "another-layout":
+        weight = state["model"][0].weight
+        weight.data = weight.data.t().contiguous().t()  # the same values, transposed in memory
+        assert not weight.is_contiguous()
+    if way == "dcp-own-reader":
+        monkeypatch.setattr(_dcp_reader, "_guess_items", lambda *a, **k: None)
+
+        def unsupported(*args, **kwargs):
+            raise _dcp_reader._Unsupported("not parsed, on purpose")
+
+        monkeypatch.setattr(_dcp_reader.StreamingReader, "_item", staticmethod(unsupported))
+    live = {k: state[k] for k in ("model", "optimizer")}
+    tensors = [t for v in live.values() for t in reachable_tensors(v)]
+    before = [t.clone() for t in tensors]
+    reader = _dcp_reader.StreamingReader(step / "dcp", validate_dir(step).files, rank=0,
+                                         world_size=2 if way == "another-ranks-file" else 1)
+    kept = SetAside(live)
+    reader.guard = kept.guard
+    kept.by(reader.undo)
+    keys = sharded_keys(live)
+    with warnings.catch_warnings():  # one process, as ftkit.checkpoint.dcp.load_sharded loads
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        torch.distributed.checkpoint.load(live_state_dicts(live, keys, StateDictOptions()), storage_reader=reader,
+                                          no_dist=True)
+    # (DCP's own reader: the files checked first, through the page cache)
+    assert reader.files_read == (["__0_0.distcp"] if way == "another-ranks-file" else ["__0_0.distcp", "__1_0.distcp"])
+    streamed = [part for read in reader._reads for part in read._undo]
+    copied = [t.data_ptr() for t, _ in reader._kept]
+    assert bool(streamed) == (way != "dcp-own-reader")
+    if way == "another-layout":
+        assert copied == [state["model"][0].weight.data_ptr()]
+    else:
+        assert bool(copied) == (way in ("another-ranks-file", "dcp-own-reader"))
+    assert not any(torch.equal(t, b) for t, b in zip(tensors, before, strict=True))  # the checkpoint's values
+    kept.undo()
+    reader.close()
+    assert all(torch.equal(t, b) for t, b in zip(tensors, before, strict=True))
 
 
 @pytest.mark.parametrize("ranks", [1, 2], ids=["one-process", "two-ranks"])

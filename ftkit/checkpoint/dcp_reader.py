@@ -46,7 +46,7 @@ import math
 import pickle
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +58,12 @@ from torch.futures import Future
 
 from ..errors import CheckpointError
 from .format.layout import DCP_DIR
+from .io import reader as _reader
 from .io.archive import Held, archives_records
 from .io.device import DeviceCopies, load_copies
 from .io.reader import (
     CHUNK,
+    FRESH_THREADS,
     STAGING,
     Fetch,
     FileProblem,
@@ -71,7 +73,7 @@ from .io.reader import (
     read_spans,
     scatter_file,
 )
-from .io.statefile import destination, placeable
+from .io.statefile import Undoable, aside_memory, destination, placeable
 from .io.unpickle import NotOneTensor, meta_tensor
 
 __all__ = ["CorruptFile", "StreamingReader", "corrupt_file_in"]
@@ -247,7 +249,14 @@ class StreamingReader(dcp.FileSystemReader):
 
     ``files``: the manifest's entries (``dcp/<name>`` -> size, CRC-32); ``verify``: compare
     each file's CRC-32; ``direct`` as ``checkpoint.direct_io``. :attr:`files_read` names the
-    files this rank read."""
+    files this rank read.
+
+    :attr:`guard` (set before ``read_data``; :meth:`ftkit.checkpoint.state.restore.SetAside.guard`):
+    the live host tensors whose bytes must survive a load that does not happen (the only
+    checkpoint, a corrupt file on any rank). What the load writes over in them is copied aside
+    first: the streamed pieces on the placing threads just before each is written, a tensor
+    copied in another way (another layout, DCP's own reader) before the copy. :meth:`undo`
+    puts all of it back; :meth:`close` lets the copies go."""
 
     def __init__(self, path: Path, files: Mapping[str, Any], *, verify: bool = True,
                  direct: bool | None = None, rank: int = 0, world_size: int = 1) -> None:
@@ -262,6 +271,9 @@ class StreamingReader(dcp.FileSystemReader):
         self._early: dict[str, _FileRead] = {}
         self._values: dict[tuple[str, int], bytes] = {}  # (file, offset) -> an item of another rank's file
         self._metadata: Metadata | None = None
+        self.guard: Callable[[torch.Tensor], bool] | None = None
+        self._reads: list[_FileRead] = []  # every file read begun, for undo
+        self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live, its bytes before) for undo
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's ``.metadata``, read once per load (the early read, the state keys and DCP's
@@ -346,7 +358,28 @@ class StreamingReader(dcp.FileSystemReader):
             self._values.update({(name, a): value for (a, _), value in got.items()})
 
     def close(self) -> None:
-        """Stop and join the reads :meth:`prefetch` started that ``read_data`` did not take."""
+        """Stop and join the reads :meth:`prefetch` started that ``read_data`` did not take, and
+        free what :attr:`guard` set aside (the load is done, or undone)."""
+        self._stop()
+        self._reads, self._kept = [], []
+
+    def undo(self) -> None:
+        """Put back every byte of a :attr:`guard`-ed tensor this load wrote over (the reads are
+        over: ``read_data`` returned or raised)."""
+        with torch.no_grad():
+            for live, before in reversed(self._kept):
+                live.copy_(before)
+        self._kept = []
+        for read in reversed(self._reads):
+            read.undo()
+
+    def _keep(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, about to be copied into: set aside first if :attr:`guard` says so."""
+        if self.guard is not None and self.guard(t):
+            self._kept.append((t, t.detach().clone()))
+        return t
+
+    def _stop(self) -> None:
         early, self._early = self._early, {}
         for read in early.values():
             read.cancel()
@@ -383,11 +416,13 @@ class StreamingReader(dcp.FileSystemReader):
                                 read.planned.wait()
                                 others = self._give_values(others, planner)
                                 if others:
-                                    super().read_data(dataclasses.replace(plan, items=others), planner).wait()
+                                    super().read_data(dataclasses.replace(plan, items=others),
+                                                      self._keeping(planner)).wait()
                                     others = []
                             read.finish(planner)
                         except _GuessWrong as exc:  # its tensors got bytes from the wrong places
                             log.info("%s; reading it again, its items' headers first", exc)
+                            read.undo()  # what was set aside is what they held before
                             read = _FileRead(self, name, None)
                             read.give(per_file.get(name, []), planner)
                             read.finish(planner)
@@ -399,7 +434,7 @@ class StreamingReader(dcp.FileSystemReader):
                         self._check(name)
                 others = self._give_values(others, planner)
                 if others:
-                    return super().read_data(dataclasses.replace(plan, items=others), planner)
+                    return super().read_data(dataclasses.replace(plan, items=others), self._keeping(planner))
                 done: Future[None] = Future()
                 done.set_result(None)
                 return done
@@ -407,11 +442,19 @@ class StreamingReader(dcp.FileSystemReader):
                 log.info("reading %s the way DCP does: %s", self._root, exc)
         # DCP's own reader, every item again from the start; the files this rank checks are
         # checked first, through the page cache, where DCP's reads then find them
-        self.close()
+        self._stop()
+        self.undo()  # the streamed reads' bytes: set aside again as DCP's reader writes its own
         self.files_read.clear()
         for name in mine:
             self._check(name, cache=True)
-        return super().read_data(plan, planner)
+        return super().read_data(plan, self._keeping(planner))
+
+    def _keeping(self, planner: LoadPlanner) -> LoadPlanner:
+        """``planner``, whose ``resolve_tensor`` (DCP's reader asks it for the tensor it copies
+        an item into) sets the tensor aside first where :attr:`guard` says so."""
+        if self.guard is None:
+            return planner
+        return _Keeping(planner, self._keep)  # type: ignore[return-value]
 
     def _give_values(self, items: list[Any], planner: LoadPlanner) -> list[Any]:
         """Hand DCP the values of ``items`` that :meth:`_read_values` read; the other items."""
@@ -451,6 +494,19 @@ class StreamingReader(dcp.FileSystemReader):
         if key not in records:
             raise _Unsupported(f"{where}: storage {key} not in the archive")
         return tensor, records[key]
+
+
+class _Keeping:
+    """A load planner whose tensors are set aside (``keep``) before DCP's reader copies into them."""
+
+    def __init__(self, planner: LoadPlanner, keep: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._planner, self._keep_it = planner, keep
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def resolve_tensor(self, item: Any) -> torch.Tensor:
+        return self._keep_it(self._planner.resolve_tensor(item))
 
 
 class _Progress:
@@ -514,6 +570,9 @@ class _FileRead:
         self._result: tuple[Any, memoryview] | None = None
         self._error: BaseException | None = None
         self._copies: DeviceCopies | None = None
+        self._undo: list[Undoable] = []  # the guarded tensors' pieces written, to put back
+        self._aside: torch.Tensor | None = None  # what they held there
+        reader._reads.append(self)
         self.headers_read = threading.Event()  # the small reads are over (or the read ended)
         self._thread = threading.Thread(target=self._run, name="ftkit-dcp-file", daemon=True)
         self._thread.start()
@@ -528,6 +587,18 @@ class _FileRead:
     def wait(self) -> None:
         self._thread.join()
 
+    def _placers(self) -> int:
+        """Threads that checksum and place (asked once the plan is made): with much set aside,
+        as for fresh memory, whose first writes fault its pages in (CPU work threads share)."""
+        fresh = self._aside is not None and self._aside.numel() >= FRESH_THREADS
+        return _reader.FRESH_WORKERS if fresh else _reader.WORKERS
+
+    def undo(self) -> None:
+        """Put back what the read wrote over in guarded tensors (once its placing threads are done)."""
+        for part in self._undo:
+            part.undo()
+        self._undo, self._aside = [], None
+
     def _run(self) -> None:
         try:
             # live tensors on a GPU: pinned staging, each piece copied to the device as it arrives
@@ -535,7 +606,7 @@ class _FileRead:
                 self._result = scatter_file(self.path, self._meta, self._plan, verify=self._reader._verify,
                                             direct=self._reader._direct,
                                             stages=self._copies.stages() if self._copies is not None else None,
-                                            progress=self._progress)
+                                            placers=self._placers, progress=self._progress)
         except FileProblem as exc:
             self._error = CorruptFile(f"{self._reader._root.parent}: {exc}")
             self._error.__cause__ = exc
@@ -608,11 +679,21 @@ class _FileRead:
             else:
                 self._after.append((item, "copy", (saved, data_start, target)))
         aims.sort(key=lambda a: a[0])
+        guard = self._reader.guard
+        guarded = [guard is not None and target.device.type == "cpu" and guard(target) for *_, target in aims]
+        if any(guarded):  # one buffer for what they hold: fresh memory, faulted in as it is written
+            self._aside = aside_memory(sum(a[1] - a[0] for a, g in zip(aims, guarded, strict=True) if g))
+        aside_at = self._aside.data_ptr() if self._aside is not None else 0
         targets: list[Target] = []
         for i, (start, end, item, target) in enumerate(aims):
             if i and aims[i - 1][1] > start:
                 raise _Unsupported(f"{self.path}: items overlap")
-            targets.append((start, end, destination(target, self._copies)))
+            if guarded[i]:
+                self._undo.append(Undoable(target.data_ptr(), aside_at))
+                targets.append((start, end, self._undo[-1]))
+                aside_at += end - start
+            else:
+                targets.append((start, end, destination(target, self._copies)))
             self._after.append((item, "direct", target))
         self.planned.set()
         return targets
@@ -668,5 +749,5 @@ class _FileRead:
                                            offset=data_start).untyped_storage()
                 saved = torch.empty(0, dtype=meta_tensor.dtype).set_(
                     storage, meta_tensor.storage_offset(), meta_tensor.size(), meta_tensor.stride())
-                target.copy_(_narrow(saved, item.storage_offsets, item.lengths))
+                self._reader._keep(target).copy_(_narrow(saved, item.storage_offsets, item.lengths))
                 planner.commit_tensor(item, target)

@@ -264,9 +264,10 @@ class Checkpointer(CheckpointManager):
             checked = (not direct and damaged is None and self.config.verify_on_load
                        and info.valid and is_dcp(info.files))
             # ... unless every rank's modules and optimizers live in host memory: then each rank
-            # copies them aside first, reads in one pass as with an older checkpoint, and puts
-            # them back should any rank find a file corrupt (or the load fail); asked on every
-            # rank, whatever its own validation said (a collective every rank makes)
+            # reads in one pass as with an older checkpoint, setting aside each part of them just
+            # before it writes over it, and puts them back should any rank find a file corrupt
+            # (or the load fail); asked on every rank, whatever its own validation said (a
+            # collective every rank makes)
             fits = not checked or SetAside.fits(state, _local_ranks(self.world_size))
             aside = not self.comm.anyone(not fits) and checked
             checked = checked and not aside
@@ -284,7 +285,10 @@ class Checkpointer(CheckpointManager):
                     if problem.startswith(_REFUSED):  # a key some rank's state has and the checkpoint not
                         raise CheckpointError(problem[len(_REFUSED):])
                     if not problem:
-                        kept = SetAside(state) if aside else None
+                        if aside and early is not None:  # what the reader writes over, set aside as it goes
+                            kept = SetAside(state)
+                            early.reader.guard = kept.guard
+                            kept.by(early.reader.undo)
                         problem = self._try_load(state, path, info, into_live=direct or checked or aside,
                                                  early=early, cover=damaged is not None, undo=guarded)
                         if problem and kept is not None:
@@ -298,7 +302,7 @@ class Checkpointer(CheckpointManager):
                     raise CheckpointError(_holds_corrupt(damaged, f"loading {path} instead failed ({exc})",
                                                          self.root)) from exc
                 finally:
-                    kept = None  # the copies: freed before an older checkpoint loads
+                    kept = None
                 if problem and (direct or checked) and self._written:
                     damaged = damaged or path
                     for key, tensors in self._written.items():

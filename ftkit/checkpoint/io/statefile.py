@@ -58,7 +58,7 @@ from .reader import (
 )
 from .unpickle import PlainUnpickler, Storage
 
-__all__ = ["FILE_FORMAT", "parse_state_file", "read_state_bytes", "read_state_file", "read_state_into",
+__all__ = ["FILE_FORMAT", "Undoable", "aside_memory", "parse_state_file", "read_state_bytes", "read_state_file", "read_state_into",
            "write_state_file"]
 
 log = logging.getLogger(__name__)
@@ -403,14 +403,14 @@ def destination(t: torch.Tensor, copies: DeviceCopies | None) -> memoryview | De
     return tensor_memory(t.detach())
 
 
-def _aside(nbytes: int) -> torch.Tensor:
-    """Memory for the live bytes :class:`_Undoable` sets aside: small pages, not huge ones,
+def aside_memory(nbytes: int) -> torch.Tensor:
+    """Memory for the live bytes :class:`Undoable` sets aside: small pages, not huge ones,
     which after a while of page-cache churn the kernel compacts memory to make, for seconds
     (a 1 GB load here: 0.8 s with small pages, 1.9-3.9 s with ``MADV_HUGEPAGE``)."""
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
-class _Undoable:
+class Undoable:
     """A live host tensor's memory that a corrupt file must leave as it was (a
     :class:`ftkit.checkpoint.io.reader.Destination`): before the file's bytes are written over
     a part of it, that part is copied aside; :meth:`undo` puts back every part written."""
@@ -535,13 +535,13 @@ def _read_state_into(directory: Path, name: str, meta: Mapping[str, Any],
         aside_at = 0
         if guarded:  # one buffer for the copies set aside: fresh memory, faulted in as it is written
             aside = sum(a[1] - a[0] for a in alone if a[2] in guarded)
-            holder["aside"] = _aside(aside)
+            holder["aside"] = aside_memory(aside)
             holder["fresh"] += aside
             aside_at = holder["aside"].data_ptr()
         out: list[Target] = []
         for a in alone:
             if a[2] in guarded:
-                out.append((a[0], a[1], _Undoable(a[3].data_ptr(), aside_at)))
+                out.append((a[0], a[1], Undoable(a[3].data_ptr(), aside_at)))
                 holder["undo"].append(out[-1][2])
                 aside_at += a[1] - a[0]
             else:

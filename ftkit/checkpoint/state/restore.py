@@ -198,21 +198,37 @@ def reachable_tensors(value: Any) -> list[torch.Tensor]:
 
 
 class SetAside:
-    """A copy of what a load into the live modules and optimizers of ``state`` may change, to
+    """What a one-pass load into the live modules and optimizers of ``state`` may change, to
     put back (:meth:`undo`) when the load turns out not to happen (a corrupt file found while
-    it was read in, on any rank): their tensors' values, and which optimizers had no state yet
-    (DCP gives those state before it reads: :meth:`undo` takes it away again)."""
+    it was read in, on any rank): which memory is theirs (:meth:`guard`: the reader that
+    writes into it copies each part aside just before it writes over it, on its placing
+    threads while the device reads on, and registers how to put those back, :meth:`by`), and
+    which optimizers had no state yet (DCP gives those state before it reads: :meth:`undo`
+    takes it away again; their new moments are not set aside, nor need to be)."""
 
     def __init__(self, state: Mapping[str, Any]) -> None:
         live = _modules_and_optimizers(state)
-        seen: set[int] = set()
-        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        with torch.no_grad():
-            for t in (t for v in live for t in reachable_tensors(v)):
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    self._copies.append((t, t.detach().clone()))
+        self._memory = {t.untyped_storage().data_ptr() for v in live for t in reachable_tensors(v)}
         self._fresh = [v for v in live if isinstance(v, torch.optim.Optimizer) and not v.state]
+        self._undo: list[Callable[[], None]] = []
+
+    def guard(self, t: torch.Tensor) -> bool:
+        """Whether a load must set aside what it writes over in ``t``: the memory of a live
+        module's or optimizer's tensor (a view of one too), in host memory."""
+        return t.device.type == "cpu" and t.untyped_storage().data_ptr() in self._memory
+
+    def by(self, undo: Callable[[], None]) -> None:
+        """``undo()`` puts back what a writer of :meth:`guard`'s memory set aside."""
+        self._undo.append(undo)
+
+    def undo(self) -> None:
+        """Every part written put back (by the writers that set it aside, once they are done),
+        the fresh optimizers without state again."""
+        undo, self._undo = self._undo, []
+        for put_back in reversed(undo):
+            put_back()
+        for optimizer in self._fresh:
+            optimizer.state.clear()
 
     @staticmethod
     def fits(state: Mapping[str, Any], sharing: int = 1) -> bool:
@@ -225,14 +241,6 @@ class SetAside:
             return False
         nbytes = sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
         return nbytes * max(1, sharing) <= _available() // 2
-
-    def undo(self) -> None:
-        with torch.no_grad():
-            for live, copy in self._copies:
-                live.copy_(copy)
-        for optimizer in self._fresh:
-            optimizer.state.clear()
-        self._copies = []
 
 
 def _available() -> int:
