@@ -301,8 +301,6 @@ class Checkpointer(CheckpointManager):
                         raise
                     raise CheckpointError(_holds_corrupt(damaged, f"loading {path} instead failed ({exc})",
                                                          self.root)) from exc
-                finally:
-                    kept = None
                 if problem and (direct or checked) and self._written:
                     damaged = damaged or path
                     for key, tensors in self._written.items():

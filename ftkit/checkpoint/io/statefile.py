@@ -58,8 +58,8 @@ from .reader import (
 )
 from .unpickle import PlainUnpickler, Storage
 
-__all__ = ["FILE_FORMAT", "Undoable", "aside_memory", "parse_state_file", "read_state_bytes", "read_state_file", "read_state_into",
-           "write_state_file"]
+__all__ = ["FILE_FORMAT", "Undoable", "aside_memory", "parse_state_file", "read_state_bytes", "read_state_file",
+           "read_state_into", "write_state_file"]
 
 log = logging.getLogger(__name__)
 
