@@ -100,12 +100,11 @@ def describe_rule(path: Path, saved: int, current: int) -> str:
         "where sharded)"
     ]
     if current > saved:
-        extra = f"rank {saved}" if current == saved + 1 else f"ranks {saved}-{current - 1}"
+        extra = (f"rank {saved} loads rank 0's and derives its RNG streams from rank 0's and its rank"
+                 if current == saved + 1 else
+                 f"ranks {saved}-{current - 1} load rank 0's and derive their RNG streams from rank 0's and their rank")
         own = "rank 0 loads its" if saved == 1 else f"ranks 0-{saved - 1} load their"
-        words.append(
-            f"{own} own per-rank state; {extra} load rank 0's and derive their RNG streams "
-            "from rank 0's and their rank"
-        )
+        words.append(f"{own} own per-rank state; {extra}")
     else:
         gone = f"rank {current}" if saved == current + 1 else f"ranks {current}-{saved - 1}"
         words.append(
