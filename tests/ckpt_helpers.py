@@ -168,11 +168,17 @@ def load_main(argv: list[str]) -> None:
     its share of the files, a byte of its DCP file changes (another process writing it).
     ``--check-first``: the ranks load a DCP checkpoint with nothing older as they do where
     its state is not all in host memory (its files checked first, then streamed in).
+    ``--misread-on R``: rank R finds the bytes of every state file it reads not those its
+    manifest names (a CRC-32 that differs once the whole file was read, as a network
+    filesystem may serve one node other bytes than another).
     ``--out PATH``: the model's and optimizer's state dicts after the load, to ``PATH.rankR``.
-    Before the last line, one line per DCP streaming reader: ``reader direct=... read=[...]``."""
+    Before the last line, one line per DCP streaming reader: ``reader direct=... read=[...]``,
+    and one per state file read into the live tensors: ``state file into live: direct=...
+    undo=... keep=...``."""
     import torch.distributed as dist
 
     from ftkit.checkpoint import CheckpointConfig, make_manager
+    from ftkit.checkpoint import manager as manager_module
     from ftkit.checkpoint.dcp_reader import StreamingReader
     from ftkit.errors import CheckpointError
 
@@ -183,6 +189,7 @@ def load_main(argv: list[str]) -> None:
     ap.add_argument("--fail-restore-on", type=int)
     ap.add_argument("--change-after-check", type=int)
     ap.add_argument("--check-first", action="store_true")
+    ap.add_argument("--misread-on", type=int)
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -209,6 +216,26 @@ def load_main(argv: list[str]) -> None:
         readers.append((kwargs.get("direct"), self))
 
     StreamingReader.__init__ = spy  # type: ignore[method-assign]
+    into_live: list[str] = []
+    real_read_into = manager_module.read_state_into
+
+    def read_into(*args, **kwargs):
+        into_live.append(f"state file into live: direct={kwargs.get('direct')} undo={kwargs.get('undo') is not None} "
+                         f"keep={kwargs.get('keep') is not None}")
+        return real_read_into(*args, **kwargs)
+
+    manager_module.read_state_into = read_into
+    if rank == a.misread_on:
+        real_validate = manager_module.validate_dir
+
+        def misread(path, **kwargs):
+            info = real_validate(path, **kwargs)
+            for name, meta in info.files.items():
+                if name.startswith("rank-") and "crc32" in meta:
+                    meta["crc32"] = f"{int(meta['crc32'], 16) ^ 1:08x}"
+            return info
+
+        manager_module.validate_dir = misread
     if a.check_first:
         from ftkit.checkpoint.state.restore import SetAside
 
@@ -239,6 +266,8 @@ def load_main(argv: list[str]) -> None:
         torch.save({"model": raw.state_dict(), "optimizer": state["optimizer"].state_dict()}, f"{a.out}.rank{rank}")
     for direct, reader in readers:
         print(f"reader direct={direct} read={reader.files_read}")
+    for line in into_live:
+        print(line)
     print(said)
 
 

@@ -1016,21 +1016,24 @@ def _flip_dcp_tensor_pickle(root, step, rank):
 
 
 @pytest.mark.parametrize(
-    "world_size,corrupt",
-    [(1, _flip_rank_file), (2, _flip_rank_file), (2, _flip_dcp_file), (2, _flip_dcp_metadata),
-     (2, _flip_dcp_value_pickle), (2, _flip_dcp_tensor_pickle)],
+    "worlds,corrupt",
+    [((1, 1), _flip_rank_file), ((2, 2), _flip_rank_file), ((2, 2), _flip_dcp_file), ((2, 2), _flip_dcp_metadata),
+     ((2, 2), _flip_dcp_value_pickle), ((2, 2), _flip_dcp_tensor_pickle), ((1, 2), _flip_rank_file)],
     ids=["one-rank", "two-ranks-rank1-state-file", "two-ranks-dcp-file", "two-ranks-dcp-metadata",
-         "two-ranks-dcp-value-pickle", "two-ranks-dcp-tensor-pickle"],
+         "two-ranks-dcp-value-pickle", "two-ranks-dcp-tensor-pickle", "one-process-file-on-two-ranks"],
 )
-def test_resume_past_a_corrupt_newest_is_bit_identical_to_resuming_the_older(tmp_path, world_size, corrupt):
+def test_resume_past_a_corrupt_newest_is_bit_identical_to_resuming_the_older(tmp_path, worlds, corrupt):
     """A real trainer (dropout, sampler, Adam, StepLR; DDP + DCP with two ranks) checkpoints at
     step 4 and 7; step 7's file is corrupted (rank 1's state file, read by rank 1 alone, or a
-    DCP file). Resuming then must give, bit for bit, what resuming from step 4 gives."""
+    DCP file; or the one state file of one process, which two ranks resume from, each reading
+    it straight into its live tensors). Resuming then must give, bit for bit, what resuming
+    from step 4 gives."""
+    saved_by, world_size = worlds
     root, only_older = tmp_path / "ck", tmp_path / "older"
-    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], world_size)
+    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], saved_by)
     shutil.copytree(root, only_older)
-    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], world_size)
-    corrupt(root, 7, world_size - 1)
+    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], saved_by)
+    corrupt(root, 7, saved_by - 1)
     for r, out in ((root, "fallback"), (only_older, "reference")):
         run_ranks(["train", "--root", str(r), "--steps", "10", "--out", str(tmp_path / out)], world_size)
     for rank in range(world_size):
@@ -1245,6 +1248,56 @@ def test_the_only_dcp_checkpoint_loads_in_one_pass_or_checked_first(tmp_path, ho
         else:
             assert re.match(r"CheckpointError: .*step-00000004 was found corrupt while it was read into the live "
                             r"state, and no older checkpoint .* could be loaded", said[-1]), said
+
+
+@pytest.mark.parametrize("saves,case", [
+    (1, "valid"), (1, "corrupt"), (1, "misread-on-rank-1"), (1, "restore-fails-on-rank-1"), (2, "valid"),
+], ids=["only-valid", "only-corrupt", "only-misread-on-rank-1", "only-restore-fails-on-rank-1", "older-valid"])
+def test_a_one_process_checkpoint_loads_on_two_ranks_straight_into_their_live_tensors(tmp_path, saves, case):
+    """A requeue onto more ranks: a state file saved by one process, loaded by two DDP ranks,
+    each of which holds all of the model and optimizer in plain host tensors. Each rank reads
+    the file whole straight into its live tensors, as one process does (through the page
+    cache, which the two ranks of one host share: not ``O_DIRECT`` twice from the disk), and
+    restores it as one process does (not through DCP's state-dict collectives).
+
+    The job's only checkpoint: each rank sets aside what it writes over. A corrupt file
+    (both ranks find it) is a fresh start from the state as built; so is a file that only
+    rank 1 finds not as its manifest says, after rank 0 read it in whole and found it
+    valid: rank 0 puts back what it had set aside. A restore that fails on rank 1 fails the
+    load on both, the modules and optimizers as built. With an older checkpoint, the newest
+    is read straight in, nothing set aside. Valid: exactly the trained state on both ranks."""
+    from tests.ckpt_helpers import build_state
+
+    root, out = tmp_path / "ck", tmp_path / "trained"
+    for step in (4, 7)[:saves]:
+        run_ranks(["train", "--root", str(root), "--steps", str(step), "--stop-at", str(step), "--out", str(out)], 1)
+    newest = (4, 7)[saves - 1]
+    if case == "corrupt":
+        _flip_rank_file(root, newest, 0)
+    extra = {"misread-on-rank-1": ["--misread-on", "1"], "restore-fails-on-rank-1": ["--fail-restore-on", "1"]}
+    outs = run_ranks(["load", "--root", str(root), "--out", str(tmp_path / "loaded"), *extra.get(case, [])], 2,
+                     timeout=90)
+    lines = [o.strip().splitlines() for o in outs]
+    guarded = saves == 1
+    fresh, _ = build_state()
+    trained = torch.load(f"{out}.rank0", weights_only=True)
+    for rank, said in enumerate(lines):
+        got = torch.load(f"{tmp_path / 'loaded'}.rank{rank}", weights_only=True)
+        assert f"state file into live: direct=False undo={guarded} keep={guarded}" in said, said
+        if case == "valid":
+            assert said[-1] == f"loaded {newest}", said
+            assert all(torch.equal(v, trained["model"][k]) for k, v in got["model"].items())
+            assert got["optimizer"]["state"].keys() == trained["optimizer"]["state"].keys()
+            for pid, st in got["optimizer"]["state"].items():
+                assert all(torch.equal(v, trained["optimizer"]["state"][pid][k]) for k, v in st.items())
+            continue
+        if case == "restore-fails-on-rank-1":
+            assert re.match(r"CheckpointError: could not restore .*step-00000004 into the state: rank 1: "
+                            r"RuntimeError: rank 1: the scheduler refused its state on purpose$", said[-1]), said
+        else:
+            assert said[-1] == "loaded None", said
+        assert all(torch.equal(v, fresh["model"].state_dict()[k]) for k, v in got["model"].items())
+        assert not got["optimizer"]["state"]
 
 
 def test_crc32_combine_gives_zlibs_crc_of_the_joined_bytes_in_both_implementations():

@@ -70,6 +70,17 @@ def _local_ranks(world_size: int) -> int:
         return world_size
 
 
+_FITS, _PLAIN, _SHARDED = 0, 1, 2  # a rank's modules and optimizers (the most of every rank's counts)
+
+
+def _fit(state: Mapping[str, Any], world_size: int) -> int:
+    """Whether ``state``'s modules and optimizers are plain tensors in host memory with room to
+    set them aside (:meth:`SetAside.fits`), plain tensors elsewhere, or shards."""
+    if SetAside.fits(state, _local_ranks(world_size)):
+        return _FITS
+    return _PLAIN if SetAside.plain(state) else _SHARDED
+
+
 def _holds_corrupt(damaged: Path, what: str, root: Path) -> str:
     """Why a load stops with part of the corrupt checkpoint ``damaged`` in the live state."""
     return (f"{damaged} was found corrupt while it was read into the live state, and {what}: this run cannot "
@@ -253,10 +264,9 @@ class Checkpointer(CheckpointManager):
             direct = step is None and any(validate_dir(p).valid for p in candidates[i + 1 :])
             info = validate_dir(path)  # read once here: each step below works from it
             # else (the only checkpoint, or the step asked for) straight in too where the reader
-            # can undo it (one process, a state file): what it overwrites is set aside on the
-            # way and put back if the file turns out corrupt (a fresh start follows, or an error)
-            guarded = (not direct and damaged is None and not self.comm.distributed
-                       and info.valid and not is_dcp(info.files))
+            # can undo it (a state file): what it overwrites is set aside on the way and put back
+            # if the file turns out corrupt (a fresh start follows, or an error)
+            guarded = not direct and damaged is None and info.valid and not is_dcp(info.files)
             # a DCP checkpoint (one process or several ranks): its files are checked first (with
             # several ranks, each by the rank that reads it; through the page cache), and only
             # then streamed into the live tensors from there; should a file differ on that second
@@ -268,9 +278,16 @@ class Checkpointer(CheckpointManager):
             # before it writes over it, and puts them back should any rank find a file corrupt
             # (or the load fail); asked on every rank, whatever its own validation said (a
             # collective every rank makes)
-            fits = not checked or SetAside.fits(state, _local_ranks(self.world_size))
-            aside = not self.comm.anyone(not fits) and checked
+            # several ranks, a one-process checkpoint (a requeue onto more ranks): each rank reads
+            # the state file whole into its live tensors as one process does, where every rank's
+            # modules and optimizers are plain tensors (each rank holds all of them, as with DDP;
+            # not shards, which DCP's reshards), and with nothing older where they fit as above
+            whole = self.comm.distributed and info.valid and not is_dcp(info.files)
+            level = self.comm.most(_fit(state, self.world_size) if checked or whole else _FITS)
+            aside = checked and level == _FITS
             checked = checked and not aside
+            whole = whole and (level <= _PLAIN if direct else guarded and level == _FITS)
+            guarded = guarded and (whole or not self.comm.distributed)
             self._written = {}  # what this candidate's _try_load reads into, if it runs
             problem = self._check_here(path, info, streamed=direct or aside)
             early = (self._start_read(path, info, cached=checked)
@@ -289,8 +306,11 @@ class Checkpointer(CheckpointManager):
                             kept = SetAside(state)
                             early.reader.guard = kept.guard
                             kept.by(early.reader.undo)
+                        elif whole and guarded:  # what each rank's reader wrote over, kept until all agree
+                            kept = SetAside(state)
                         problem = self._try_load(state, path, info, into_live=direct or checked or aside,
-                                                 early=early, cover=damaged is not None, undo=guarded)
+                                                 early=early, cover=damaged is not None, undo=guarded,
+                                                 whole=whole, keep=kept.by if kept is not None else None)
                         if problem and kept is not None:
                             kept.undo()  # every rank skips it: the state is as it was
                             self._written = {}
@@ -429,7 +449,8 @@ class Checkpointer(CheckpointManager):
         return ", ".join(left)
 
     def _try_load(self, state: Mapping[str, Any], path: Path, info: CheckpointInfo, *, into_live: bool = False,
-                  early: _EarlyRead | None = None, cover: bool = False, undo: bool = False) -> str:
+                  early: _EarlyRead | None = None, cover: bool = False, undo: bool = False, whole: bool = False,
+                  keep: Callable[[Callable[[], None]], None] | None = None) -> str:
         """Load ``path`` (``info``: its validation) into ``state`` on any number of ranks
         (``state.keys``'s world-size rule).
 
@@ -440,9 +461,12 @@ class Checkpointer(CheckpointManager):
         the file's tensors are read straight into the live tensors that take them
         (:func:`ftkit.checkpoint.io.statefile.read_state_into`), so a corrupt file leaves its
         bytes there; ``_written`` says where. ``cover``: note in ``_covered`` what the load
-        restored, for a corrupt file's bytes it must overwrite (``_left_over``). ``undo`` (one
-        process, a state file): read straight into the live tensors too, but a corrupt file
-        leaves them as they were (``read_state_into``'s ``undo``).
+        restored, for a corrupt file's bytes it must overwrite (``_left_over``). ``undo`` (a state
+        file): read straight into the live tensors too, but a corrupt file leaves them as they
+        were (``read_state_into``'s ``undo``). ``whole`` (several ranks, a one-process state file,
+        each rank's modules and optimizers plain tensors): each rank reads and restores it as
+        one process does; ``keep`` (with ``undo``): what its reader set aside, registered there
+        to put back should another rank fail.
         """
         self._written = {}
         sharded = is_dcp(info.files)
@@ -454,7 +478,8 @@ class Checkpointer(CheckpointManager):
             problem = ""
             payload, available = {}, set()
             try:
-                payload = self._read(state, path, info, name, into_live=into_live, undo=undo)
+                payload = self._read(state, path, info, name, into_live=into_live, undo=undo, whole=whole,
+                                     keep=keep)
                 available = set(payload["state"])
                 if sharded:
                     from .dcp import saved_keys
@@ -473,7 +498,8 @@ class Checkpointer(CheckpointManager):
         # rank, naming it: none trains on alone or hangs in the next collective
         failure, cause = "", None
         try:
-            problem = self._restore_into(state, path, info, payload, available, name, own, reader, cover=cover)
+            problem = self._restore_into(state, path, info, payload, available, name, own, reader, cover=cover,
+                                         whole=whole)
         except Exception as exc:
             if not self.comm.distributed:
                 raise
@@ -487,10 +513,12 @@ class Checkpointer(CheckpointManager):
         return problem
 
     def _restore_into(self, state: Mapping[str, Any], path: Path, info: CheckpointInfo, payload: dict[str, Any],
-                      available: set[str], name: str, own: bool, reader: Any, *, cover: bool) -> str:
+                      available: set[str], name: str, own: bool, reader: Any, *, cover: bool,
+                      whole: bool = False) -> str:
         """``_try_load``'s restore of ``payload`` (read from ``path``'s ``name``, this rank's
         ``own`` state file or rank 0's; ``reader``: its DCP files' streaming reader, if any)
-        into ``state``. Returns a corrupt file found during DCP's read ("" once restored)."""
+        into ``state`` (``whole``: as one process restores it). Returns a corrupt file found
+        during DCP's read ("" once restored)."""
         saved_world = int(info.world_size or 1)
         sharded = is_dcp(info.files)
         if self.rank == 0 and saved_world != self.world_size:
@@ -502,7 +530,7 @@ class Checkpointer(CheckpointManager):
         rest: dict[str, Any] = live
         saved = payload["state"]
         keys: list[str] = []
-        if sharded or self.comm.distributed:
+        if sharded or (self.comm.distributed and not whole):
             from .dcp import load_full, load_sharded, sharded_keys
 
             keys = sharded_keys(live)
@@ -545,27 +573,47 @@ class Checkpointer(CheckpointManager):
                 log.warning("state[%r] is a plain value in a read-only mapping; restored value dropped", key)
         restore_rng(payload["rng"] if own else derive_rng(payload["rng"], self.rank))
         if cover:  # DCP restores the keys it loads whole, or raises
-            whole = set(keys) if sharded or self.comm.distributed else set()
-            self._covered = (whole, {t.data_ptr() for t in live_targets(rest, saved).values()})
+            self._covered = (set(keys), {t.data_ptr() for t in live_targets(rest, saved).values()})
         return ""
 
     def _read(self, state: Mapping[str, Any], path: Path, info: CheckpointInfo, name: str, *,
-              into_live: bool, undo: bool = False) -> dict[str, Any]:
+              into_live: bool, undo: bool = False, whole: bool = False,
+              keep: Callable[[Callable[[], None]], None] | None = None) -> dict[str, Any]:
         """This rank's state file of ``path``, read and parsed (``_try_load`` without an early read)."""
         sharded = is_dcp(info.files)
         verify = self.config.verify_on_load  # a state file is checked as it is read (DCP's: _check_here)
-        if (into_live or undo) and not sharded and not self.comm.distributed:
-            live: set[int] = set()  # ids of the live tensors among the targets (not a moment's new memory)
+        if not ((into_live or undo) and not sharded and (whole or not self.comm.distributed)):
+            return read_state_file(path, name, info.files[name], verify=verify, mmap=True,
+                                   direct=self.config.direct_io)
+        live: set[int] = set()  # ids of the live tensors among the targets (not a moment's new memory)
+        # several ranks: before anything reaches the live tensors, the ranks agree that every
+        # one of them takes this file (none refuses it for a key it lacks, none failed to parse it)
+        agreed: list[str] = [] if self.comm.distributed else [""]
 
-            def targets(payload: dict[str, Any]) -> Mapping[int, Any]:
-                found = self._targets(state, payload, path)
-                live.update(id(t) for kept in self._written.values() for t in kept or ())
-                return found
+        def targets(payload: dict[str, Any]) -> Mapping[int, Any]:
+            if not agreed:
+                saved = payload.get("state")
+                keys = set(saved) if isinstance(saved, Mapping) else set()
+                agreed.append(self.comm.first_problem(self._refusal(state, keys, path)))
+            if agreed[0]:  # read into memory of its own: the load refuses or skips it next
+                return {}
+            found = self._targets(state, payload, path)
+            live.update(id(t) for kept in self._written.values() for t in kept or ())
+            return found
 
-            return read_state_into(path, name, info.files[name], targets, verify=verify,
-                                   direct=self.config.direct_io, undo=(lambda t: id(t) in live) if undo else None)
-        return read_state_file(path, name, info.files[name], verify=verify, mmap=True,
-                               direct=self.config.direct_io)
+        # the ranks of one host read the same file: through the page cache, once from the disk
+        shared = whole and _local_ranks(self.world_size) > 1
+        try:
+            payload = read_state_into(path, name, info.files[name], targets, verify=verify,
+                                      direct=False if shared else self.config.direct_io,
+                                      undo=(lambda t: id(t) in live) if undo else None, keep=keep)
+        except Exception as exc:
+            if not agreed:  # failed before its targets were asked for: the others are waiting to agree
+                agreed.append(self.comm.first_problem(str(exc) or type(exc).__name__))
+            raise
+        if not agreed:  # read without asking (no in-place parse): nothing reached the live tensors
+            agreed.append(self.comm.first_problem(""))
+        return payload
 
     def _agree_read(self, failed: BaseException | None, where: Path) -> None:
         """After every rank read its part of a DCP checkpoint (``failed``: this rank's failure):

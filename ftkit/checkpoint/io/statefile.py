@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import inspect
 import itertools
 import logging
@@ -439,6 +440,7 @@ def read_state_into(
     verify: bool = True,
     direct: bool | None = None,
     undo: Callable[[torch.Tensor], bool] | None = None,
+    keep: Callable[[Callable[[], None]], None] | None = None,
 ) -> dict[str, Any]:
     """:func:`read_state_file`, with the bytes of some tensors read straight into live ones.
 
@@ -463,20 +465,28 @@ def read_state_into(
     error the parts written are put back before this raises. One on a GPU is read into host
     memory of its own and copied into it once the file checks out, as a payload tensor of
     another layout is. The tensors ``undo`` declines (an optimizer's moments in memory the
-    load just made for them) are read into straight away."""
+    load just made for them) are read into straight away.
+
+    ``keep(put_back)`` (with ``undo``; several ranks, which agree on the read only after it):
+    once the file checked out here, what it wrote over stays set aside, and ``put_back()``
+    puts it back should another rank's read or restore fail (a live tensor of another layout
+    is copied aside before it is copied into)."""
     if not _PARSE_IN_PLACE:  # no in-place parse, nothing to aim at: the plain read
         return read_state_file(directory, name, meta, verify=verify, direct=direct)
     try:
-        return _read_state_into(directory, name, meta, targets, verify=verify, direct=direct, guess=True, undo=undo)
+        return _read_state_into(directory, name, meta, targets, verify=verify, direct=direct, guess=True, undo=undo,
+                                keep=keep)
     except LayoutGuess as exc:  # a zip writer of another kind: read again, the local headers first
         log.info("%s: %s; reading it again, its local headers first", directory / name, exc)
-    return _read_state_into(directory, name, meta, targets, verify=verify, direct=direct, guess=False, undo=undo)
+    return _read_state_into(directory, name, meta, targets, verify=verify, direct=direct, guess=False, undo=undo,
+                            keep=keep)
 
 
 def _read_state_into(directory: Path, name: str, meta: Mapping[str, Any],
                      targets: Callable[[dict[str, Any]], Mapping[int, torch.Tensor]], *, verify: bool,
                      direct: bool | None, guess: bool,
-                     undo: Callable[[torch.Tensor], bool] | None = None) -> dict[str, Any]:
+                     undo: Callable[[torch.Tensor], bool] | None = None,
+                     keep: Callable[[Callable[[], None]], None] | None = None) -> dict[str, Any]:
     """:func:`read_state_into`; ``guess``: the local headers' places inferred from the archive's
     directory and checked once the file is read (:class:`LayoutGuess` when one is wrong)."""
     path = directory / name
@@ -565,13 +575,30 @@ def _read_state_into(directory: Path, name: str, meta: Mapping[str, Any],
                 raise CheckpointError(f"{directory}: {exc}") from exc
             raise CheckpointError(f"cannot load {path}: {exc}") from exc
         finally:
-            holder.pop("aside", None)  # the copies set aside: freed once the file checks out
+            aside = holder.pop("aside", None)  # the copies set aside: freed once the file checks out
+    if keep is not None and holder["undo"]:  # ... or once every rank's did (the caller's put_back)
+        keep(functools.partial(_put_back, holder["undo"], aside))
     with torch.no_grad():
         for fresh, live in holder["later"]:
+            if keep is not None and undo is not None and live.device.type == "cpu" and undo(live):
+                keep(functools.partial(_copy_into, live, live.clone()))
             live.copy_(fresh)
     payload = _substitute(holder["payload"], holder["swap"])
     payload["owned"] = holder["owned"]
     return payload
+
+
+def _put_back(parts: list[Undoable], aside: torch.Tensor | None) -> None:
+    """``parts``' bytes put back from ``aside``, the memory they were set aside in (held by
+    whoever holds this call until then)."""
+    for part in parts:
+        part.undo()
+    del aside
+
+
+def _copy_into(live: torch.Tensor, before: torch.Tensor) -> None:
+    with torch.no_grad():
+        live.copy_(before)
 
 
 def _live_side(targets: Callable[[dict[str, Any]], Mapping[int, torch.Tensor]], payload: dict[str, Any],
