@@ -171,6 +171,8 @@ def load_main(argv: list[str]) -> None:
     ``--misread-on R``: rank R finds the bytes of every state file it reads not those its
     manifest names (a CRC-32 that differs once the whole file was read, as a network
     filesystem may serve one node other bytes than another).
+    ``--hide-older-on R``: rank R sees no valid checkpoint but the newest (a filesystem that
+    shows one node the older ones late, or not at all).
     ``--out PATH``: the model's and optimizer's state dicts after the load, to ``PATH.rankR``.
     Before the last line, one line per DCP streaming reader: ``reader direct=... read=[...]``,
     and one per state file read into the live tensors: ``state file into live: direct=...
@@ -190,6 +192,7 @@ def load_main(argv: list[str]) -> None:
     ap.add_argument("--change-after-check", type=int)
     ap.add_argument("--check-first", action="store_true")
     ap.add_argument("--misread-on", type=int)
+    ap.add_argument("--hide-older-on", type=int)
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -236,6 +239,21 @@ def load_main(argv: list[str]) -> None:
             return info
 
         manager_module.validate_dir = misread
+    if rank == a.hide_older_on:
+        from ftkit.checkpoint.format.layout import list_step_dirs
+
+        seen_validate = manager_module.validate_dir
+        newest = list_step_dirs(Path(a.root))[0][1]
+
+        def hide_older(path, **kwargs):
+            info = seen_validate(path, **kwargs)
+            if Path(path) != newest:
+                import dataclasses
+
+                return dataclasses.replace(info, status="corrupt", reason="hidden from this rank on purpose")
+            return info
+
+        manager_module.validate_dir = hide_older
     if a.check_first:
         from ftkit.checkpoint.state.restore import SetAside
 

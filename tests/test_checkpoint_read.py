@@ -1252,7 +1252,9 @@ def test_the_only_dcp_checkpoint_loads_in_one_pass_or_checked_first(tmp_path, ho
 
 @pytest.mark.parametrize("saves,case", [
     (1, "valid"), (1, "corrupt"), (1, "misread-on-rank-1"), (1, "restore-fails-on-rank-1"), (2, "valid"),
-], ids=["only-valid", "only-corrupt", "only-misread-on-rank-1", "only-restore-fails-on-rank-1", "older-valid"])
+    (2, "older-hidden-from-rank-1"),
+], ids=["only-valid", "only-corrupt", "only-misread-on-rank-1", "only-restore-fails-on-rank-1", "older-valid",
+        "older-hidden-from-rank-1-no-room"])
 def test_a_one_process_checkpoint_loads_on_two_ranks_straight_into_their_live_tensors(tmp_path, saves, case):
     """A requeue onto more ranks: a state file saved by one process, loaded by two DDP ranks,
     each of which holds all of the model and optimizer in plain host tensors. Each rank reads
@@ -1265,7 +1267,10 @@ def test_a_one_process_checkpoint_loads_on_two_ranks_straight_into_their_live_te
     rank 1 finds not as its manifest says, after rank 0 read it in whole and found it
     valid: rank 0 puts back what it had set aside. A restore that fails on rank 1 fails the
     load on both, the modules and optimizers as built. With an older checkpoint, the newest
-    is read straight in, nothing set aside. Valid: exactly the trained state on both ranks."""
+    is read straight in, nothing set aside. Valid: exactly the trained state on both ranks.
+    Where only rank 0 sees the older checkpoint and no copy fits (``SetAside.fits`` false),
+    the ranks agree on the careful read for both (the memory-mapped file, DCP's full state
+    dicts) rather than rank 0 reading straight in and rank 1 waiting in another collective."""
     from tests.ckpt_helpers import build_state
 
     root, out = tmp_path / "ck", tmp_path / "trained"
@@ -1274,7 +1279,8 @@ def test_a_one_process_checkpoint_loads_on_two_ranks_straight_into_their_live_te
     newest = (4, 7)[saves - 1]
     if case == "corrupt":
         _flip_rank_file(root, newest, 0)
-    extra = {"misread-on-rank-1": ["--misread-on", "1"], "restore-fails-on-rank-1": ["--fail-restore-on", "1"]}
+    extra = {"misread-on-rank-1": ["--misread-on", "1"], "restore-fails-on-rank-1": ["--fail-restore-on", "1"],
+             "older-hidden-from-rank-1": ["--hide-older-on", "1", "--check-first"]}
     outs = run_ranks(["load", "--root", str(root), "--out", str(tmp_path / "loaded"), *extra.get(case, [])], 2,
                      timeout=90)
     lines = [o.strip().splitlines() for o in outs]
@@ -1283,8 +1289,9 @@ def test_a_one_process_checkpoint_loads_on_two_ranks_straight_into_their_live_te
     trained = torch.load(f"{out}.rank0", weights_only=True)
     for rank, said in enumerate(lines):
         got = torch.load(f"{tmp_path / 'loaded'}.rank{rank}", weights_only=True)
-        assert f"state file into live: direct=False undo={guarded} keep={guarded}" in said, said
-        if case == "valid":
+        careful = case == "older-hidden-from-rank-1"
+        assert (f"state file into live: direct=False undo={guarded} keep={guarded}" in said) != careful, said
+        if case in ("valid", "older-hidden-from-rank-1"):
             assert said[-1] == f"loaded {newest}", said
             assert all(torch.equal(v, trained["model"][k]) for k, v in got["model"].items())
             assert got["optimizer"]["state"].keys() == trained["optimizer"]["state"].keys()

@@ -70,7 +70,9 @@ def _local_ranks(world_size: int) -> int:
         return world_size
 
 
-_FITS, _PLAIN, _SHARDED = 0, 1, 2  # a rank's modules and optimizers (the most of every rank's counts)
+# a rank's modules and optimizers (the most of every rank's counts): unknown where a rank had
+# no need to look (another rank's need then takes the careful way)
+_FITS, _PLAIN, _SHARDED, _UNKNOWN = 0, 1, 2, 3
 
 
 def _fit(state: Mapping[str, Any], world_size: int) -> int:
@@ -263,30 +265,35 @@ class Checkpointer(CheckpointManager):
             # if this one turns out corrupt during the read
             direct = step is None and any(validate_dir(p).valid for p in candidates[i + 1 :])
             info = validate_dir(path)  # read once here: each step below works from it
+            # how every rank's modules and optimizers lie (see below), and whether every rank
+            # has an older checkpoint and none holds a corrupt one's bytes: one collective,
+            # every rank, whatever its own validation said, so that the ways below are the
+            # same on every rank (a filesystem may show one node an older checkpoint late)
+            needed = info.valid and (not direct if is_dcp(info.files) else self.comm.distributed)
+            fit = _fit(state, self.world_size) if needed else _UNKNOWN
+            agreed = self.comm.most(fit << 2 | (damaged is not None) << 1 | (not direct))
+            level, clean, direct = agreed >> 2, not agreed & 2, not agreed & 1
             # else (the only checkpoint, or the step asked for) straight in too where the reader
             # can undo it (a state file): what it overwrites is set aside on the way and put back
             # if the file turns out corrupt (a fresh start follows, or an error)
-            guarded = not direct and damaged is None and info.valid and not is_dcp(info.files)
+            guarded = not direct and clean and info.valid and not is_dcp(info.files)
             # a DCP checkpoint (one process or several ranks): its files are checked first (with
             # several ranks, each by the rank that reads it; through the page cache), and only
             # then streamed into the live tensors from there; should a file differ on that second
             # read, the state holds its bytes
-            checked = (not direct and damaged is None and self.config.verify_on_load
-                       and info.valid and is_dcp(info.files))
+            checked = not direct and clean and self.config.verify_on_load and info.valid and is_dcp(info.files)
             # ... unless every rank's modules and optimizers live in host memory: then each rank
             # reads in one pass as with an older checkpoint, setting aside each part of them just
             # before it writes over it, and puts them back should any rank find a file corrupt
-            # (or the load fail); asked on every rank, whatever its own validation said (a
-            # collective every rank makes)
+            # (or the load fail)
+            aside = checked and level == _FITS
+            checked = checked and not aside
             # several ranks, a one-process checkpoint (a requeue onto more ranks): each rank reads
             # the state file whole into its live tensors as one process does, where every rank's
             # modules and optimizers are plain tensors (each rank holds all of them, as with DDP;
             # not shards, which DCP's reshards), and with nothing older where they fit as above
-            whole = self.comm.distributed and info.valid and not is_dcp(info.files)
-            level = self.comm.most(_fit(state, self.world_size) if checked or whole else _FITS)
-            aside = checked and level == _FITS
-            checked = checked and not aside
-            whole = whole and (level <= _PLAIN if direct else guarded and level == _FITS)
+            whole = self.comm.distributed and info.valid and not is_dcp(info.files) and (
+                level <= _PLAIN if direct else guarded and level == _FITS)
             guarded = guarded and (whole or not self.comm.distributed)
             self._written = {}  # what this candidate's _try_load reads into, if it runs
             problem = self._check_here(path, info, streamed=direct or aside)

@@ -15,7 +15,6 @@ copied into, so a resume can read the file straight into them (``io.statefile``)
 
 from __future__ import annotations
 
-import itertools
 import logging
 import sys
 from collections.abc import Callable, Mapping, MutableMapping
@@ -238,10 +237,8 @@ class SetAside:
         for: every tensor of its modules and optimizers a plain CPU tensor (not a GPU's, nor a
         DTensor's shards), and ``sharing`` such copies (the ranks on this host, at most) no more
         than half of ``MemAvailable``."""
-        if not SetAside.plain(state):  # (before any state_dict(): FSDP's gathers on every rank)
-            return False
-        tensors = [t for v in _modules_and_optimizers(state) for t in reachable_tensors(v)]
-        if not all(_plain(t) and t.device.type == "cpu" for t in tensors):
+        tensors = _live_tensors(state)
+        if tensors is None or not all(_plain(t) and t.device.type == "cpu" for t in tensors):
             return False
         nbytes = sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
         return nbytes * max(1, sharing) <= _available() // 2
@@ -251,19 +248,26 @@ class SetAside:
         """Whether every tensor of ``state``'s modules and optimizers is a plain tensor (on any
         device): each rank holds all of it (replicated, as with DDP), none a shard (a DTensor,
         FSDP's flat parameters), so a one-process checkpoint goes into it as into one process's."""
-        fsdp = sys.modules.get("torch.distributed.fsdp")  # none can exist where it was never imported
-        for value in _modules_and_optimizers(state):
-            if isinstance(value, torch.nn.Module):
-                if fsdp is not None and any(isinstance(m, fsdp.FullyShardedDataParallel) for m in value.modules()):
-                    return False  # its parameters may be plain ones, each rank's a shard of them
-                tensors = itertools.chain(value.parameters(), value.buffers())
-            else:
-                tensors = itertools.chain((p for group in value.param_groups for p in group["params"]),
-                                          (t for moments in value.state.values() for t in moments.values()
-                                           if isinstance(t, torch.Tensor)))
-            if not all(_plain(t) for t in tensors):
-                return False
-        return True
+        tensors = _live_tensors(state)
+        return tensors is not None and all(_plain(t) for t in tensors)
+
+
+def _live_tensors(state: Mapping[str, Any]) -> list[torch.Tensor] | None:
+    """The tensors of ``state``'s modules (parameters, buffers) and optimizers (their state),
+    uninitialised ones left out; None where a module is FSDP's, whose parameters may be plain
+    ones, each rank's a shard of them. Without ``state_dict()``: a model of thousands of
+    parameters makes its state dict in milliseconds, and FSDP's gathers on every rank."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # none can exist where it was never imported
+    out: list[torch.Tensor] = []
+    for value in _modules_and_optimizers(state):
+        if isinstance(value, torch.nn.Module):
+            if fsdp is not None and any(isinstance(m, fsdp.FullyShardedDataParallel) for m in value.modules()):
+                return None
+            out.extend(value.parameters())
+            out.extend(value.buffers())
+        else:
+            out.extend(t for moments in value.state.values() for t in moments.values() if isinstance(t, torch.Tensor))
+    return [t for t in out if not is_lazy(t)]
 
 
 def _plain(t: torch.Tensor) -> bool:
