@@ -173,6 +173,10 @@ def load_main(argv: list[str]) -> None:
     filesystem may serve one node other bytes than another).
     ``--hide-older-on R``: rank R sees no valid checkpoint but the newest (a filesystem that
     shows one node the older ones late, or not at all).
+    ``--fail-state-read-on R``: rank R's read of a state file into its live tensors raises a
+    RuntimeError once it is done (not the file's doing: memory, a device).
+    ``--no-room-on R``: rank R's modules and optimizers do not fit a copy in host memory
+    (as ``--check-first`` makes every rank's).
     ``--out PATH``: the model's and optimizer's state dicts after the load, to ``PATH.rankR``.
     Before the last line, one line per DCP streaming reader: ``reader direct=... read=[...]``,
     and one per state file read into the live tensors: ``state file into live: direct=...
@@ -193,6 +197,8 @@ def load_main(argv: list[str]) -> None:
     ap.add_argument("--check-first", action="store_true")
     ap.add_argument("--misread-on", type=int)
     ap.add_argument("--hide-older-on", type=int)
+    ap.add_argument("--no-room-on", type=int)
+    ap.add_argument("--fail-state-read-on", type=int)
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -225,7 +231,10 @@ def load_main(argv: list[str]) -> None:
     def read_into(*args, **kwargs):
         into_live.append(f"state file into live: direct={kwargs.get('direct')} undo={kwargs.get('undo') is not None} "
                          f"keep={kwargs.get('keep') is not None}")
-        return real_read_into(*args, **kwargs)
+        payload = real_read_into(*args, **kwargs)
+        if rank == a.fail_state_read_on:
+            raise RuntimeError(f"rank {rank}: the read failed on purpose")
+        return payload
 
     manager_module.read_state_into = read_into
     if rank == a.misread_on:
@@ -254,7 +263,7 @@ def load_main(argv: list[str]) -> None:
             return info
 
         manager_module.validate_dir = hide_older
-    if a.check_first:
+    if a.check_first or rank == a.no_room_on:
         from ftkit.checkpoint.state.restore import SetAside
 
         SetAside.fits = staticmethod(lambda state, sharing=1: False)  # type: ignore[method-assign]

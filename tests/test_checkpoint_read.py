@@ -389,6 +389,34 @@ def test_with_nothing_older_a_corrupt_newest_leaves_the_live_state_untouched(tmp
         assert state_file_reads[-1] is not None and placed  # read into the live tensors, and undone
 
 
+@pytest.mark.parametrize("placers", [1, 3], ids=["one-placer", "three-placers"])
+def test_tied_weights_written_twice_by_a_corrupt_only_checkpoint_are_put_back_as_they_were(tmp_path, monkeypatch,
+                                                                                          placers):
+    """A model whose output layer shares its weight with the embedding (tied weights): the
+    checkpoint holds that weight twice (a snapshot copies each tensor), and the load writes
+    both into the one live storage. With the only checkpoint corrupt, the undo must put back
+    the bytes from before the load, not the checkpoint's that the first write left and the
+    second write set aside (whichever of the placing threads wrote first)."""
+    monkeypatch.setattr(_reader, "WORKERS", placers)
+    monkeypatch.setattr(_reader, "FRESH_WORKERS", placers)
+    monkeypatch.setattr(_reader, "CHUNK", 64 << 10)  # several pieces per tensor
+
+    def tied(seed: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Embedding(300, 128), torch.nn.Linear(128, 300, bias=False))
+        model[1].weight = model[0].weight
+        return {"model": model}
+
+    root = tmp_path / "ck"
+    make_mgr(root).save(3, tied(3))
+    _flip(root / "step-00000003" / "rank-00000.pt", 0.5)  # in tensor data: found once every byte is placed
+    live = tied(9)
+    before = live["model"][0].weight.detach().clone()
+    assert make_mgr(root).load(live) is None
+    assert live["model"][1].weight is live["model"][0].weight
+    assert torch.equal(live["model"][0].weight, before)
+
+
 def test_the_only_checkpoint_is_read_straight_into_the_live_tensors_exactly(tmp_path, monkeypatch):
     """With nothing older to fall back on, the file's tensors still go straight into the live
     tensors (none of them through the read buffer), the state is exactly step 3's, and the
@@ -1187,8 +1215,8 @@ def test_a_guarded_dcp_read_puts_back_every_byte_it_wrote_whichever_way_it_wrote
                                           no_dist=True)
     # (DCP's own reader: the files checked first, through the page cache)
     assert reader.files_read == (["__0_0.distcp"] if way == "another-ranks-file" else ["__0_0.distcp", "__1_0.distcp"])
-    streamed = [part for read in reader._reads for part in read._undo]
-    copied = [t.data_ptr() for t, _ in reader._kept]
+    streamed = [part for part in reader._log._parts if len(part) == 4]  # (read, live, aside, n)
+    copied = [part[1].data_ptr() for part in reader._log._parts if len(part) == 3]  # (None, live, copy)
     assert bool(streamed) == (way != "dcp-own-reader")
     if way == "another-layout":
         assert copied == [state["model"][0].weight.data_ptr()]
@@ -1252,9 +1280,9 @@ def test_the_only_dcp_checkpoint_loads_in_one_pass_or_checked_first(tmp_path, ho
 
 @pytest.mark.parametrize("saves,case", [
     (1, "valid"), (1, "corrupt"), (1, "misread-on-rank-1"), (1, "restore-fails-on-rank-1"), (2, "valid"),
-    (2, "older-hidden-from-rank-1"),
+    (2, "older-hidden-from-rank-1"), (1, "read-fails-on-rank-1"),
 ], ids=["only-valid", "only-corrupt", "only-misread-on-rank-1", "only-restore-fails-on-rank-1", "older-valid",
-        "older-hidden-from-rank-1-no-room"])
+        "older-hidden-from-rank-1-no-room", "only-read-fails-on-rank-1"])
 def test_a_one_process_checkpoint_loads_on_two_ranks_straight_into_their_live_tensors(tmp_path, saves, case):
     """A requeue onto more ranks: a state file saved by one process, loaded by two DDP ranks,
     each of which holds all of the model and optimizer in plain host tensors. Each rank reads
@@ -1266,7 +1294,9 @@ def test_a_one_process_checkpoint_loads_on_two_ranks_straight_into_their_live_te
     (both ranks find it) is a fresh start from the state as built; so is a file that only
     rank 1 finds not as its manifest says, after rank 0 read it in whole and found it
     valid: rank 0 puts back what it had set aside. A restore that fails on rank 1 fails the
-    load on both, the modules and optimizers as built. With an older checkpoint, the newest
+    load on both, the modules and optimizers as built; so does a read that fails on rank 1
+    not for the file's sake (a RuntimeError: memory, a device), naming it, not a corrupt file
+    skipped, nor rank 0 waiting for rank 1 in a collective. With an older checkpoint, the newest
     is read straight in, nothing set aside. Valid: exactly the trained state on both ranks.
     Where only rank 0 sees the older checkpoint and no copy fits (``SetAside.fits`` false),
     the ranks agree on the careful read for both (the memory-mapped file, DCP's full state
@@ -1280,7 +1310,8 @@ def test_a_one_process_checkpoint_loads_on_two_ranks_straight_into_their_live_te
     if case == "corrupt":
         _flip_rank_file(root, newest, 0)
     extra = {"misread-on-rank-1": ["--misread-on", "1"], "restore-fails-on-rank-1": ["--fail-restore-on", "1"],
-             "older-hidden-from-rank-1": ["--hide-older-on", "1", "--check-first"]}
+             "older-hidden-from-rank-1": ["--hide-older-on", "1", "--check-first"],
+             "read-fails-on-rank-1": ["--fail-state-read-on", "1"]}
     outs = run_ranks(["load", "--root", str(root), "--out", str(tmp_path / "loaded"), *extra.get(case, [])], 2,
                      timeout=90)
     lines = [o.strip().splitlines() for o in outs]
@@ -1301,8 +1332,41 @@ def test_a_one_process_checkpoint_loads_on_two_ranks_straight_into_their_live_te
         if case == "restore-fails-on-rank-1":
             assert re.match(r"CheckpointError: could not restore .*step-00000004 into the state: rank 1: "
                             r"RuntimeError: rank 1: the scheduler refused its state on purpose$", said[-1]), said
+        elif case == "read-fails-on-rank-1":
+            assert re.match(r"CheckpointError: could not read .*step-00000004/rank-00000.pt: rank 1: "
+                            r"RuntimeError: rank 1: the read failed on purpose$", said[-1]), said
         else:
             assert said[-1] == "loaded None", said
+        assert all(torch.equal(v, fresh["model"].state_dict()[k]) for k, v in got["model"].items())
+        assert not got["optimizer"]["state"]
+
+
+@pytest.mark.parametrize("saved_by", [2, 1], ids=["dcp", "one-process-state-file"])
+def test_ranks_that_see_the_older_checkpoint_differently_take_the_same_way_past_a_corrupt_newest(tmp_path,
+                                                                                                 saved_by):
+    """Two checkpoints, the newest corrupt (rank 1's DCP file, or the one state file); rank 1
+    does not see the older one (a filesystem that shows one node a directory late), and for
+    the state file rank 0's state has no room for a copy while rank 1's has. The ranks agree
+    on one way for every rank, element by element (has any rank nothing older? how does any
+    rank's state lie?), so none reads the newest straight in as if it had an older one to
+    fall back on: the corrupt newest is skipped, leaving nothing of it in the state, and
+    since rank 1 sees no older checkpoint, the start is fresh on both ranks."""
+    from tests.ckpt_helpers import build_state
+
+    root = tmp_path / "ck"
+    for step in (4, 7):
+        run_ranks(["train", "--root", str(root), "--steps", str(step), "--stop-at", str(step)], saved_by)
+    (_flip_dcp_file if saved_by == 2 else _flip_rank_file)(root, 7, saved_by - 1)
+    extra = ["--no-room-on", "0"] if saved_by == 1 else []
+    outs = run_ranks(["load", "--root", str(root), "--out", str(tmp_path / "loaded"), "--hide-older-on", "1", *extra],
+                     2, timeout=90)
+    fresh, _ = build_state()
+    for rank, out in enumerate(outs):
+        said = out.strip().splitlines()
+        assert said[-1] == "loaded None", said
+        if saved_by == 1:  # the careful read (the file mapped, checked, then restored), on both ranks
+            assert not any(line.startswith("state file into live") for line in said), said
+        got = torch.load(f"{tmp_path / 'loaded'}.rank{rank}", weights_only=True)
         assert all(torch.equal(v, fresh["model"].state_dict()[k]) for k, v in got["model"].items())
         assert not got["optimizer"]["state"]
 

@@ -19,7 +19,7 @@ class Comm:
         self.rank = rank
         self.world_size = world_size
         self.pg = process_group
-        self._flag: Any = None  # the all_reduce buffer of anyone()
+        self._flags: dict[int, Any] = {}  # the all_reduce buffers of most(), by length
 
     @property
     def distributed(self) -> bool:
@@ -51,22 +51,24 @@ class Comm:
         pickles and makes two collectives (about 4 ms against 1 ms over gloo on a 2-CPU VM), so
         an agreement asks this first and gathers what the ranks have to say only when one has
         something to say, which is rare."""
-        return bool(self.most(int(flag)))
+        return bool(self.most(int(flag))[0])
 
-    def most(self, value: int) -> int:
-        """The largest ``value`` (a small int) any rank passed: one ``all_reduce``, as :meth:`anyone`."""
+    def most(self, *values: int) -> tuple[int, ...]:
+        """For each of ``values`` (small ints), the largest any rank passed there: one
+        ``all_reduce`` (MAX, element by element), as :meth:`anyone`."""
         if not self.distributed:
-            return value
+            return values
         import torch
         import torch.distributed as dist
 
-        if self._flag is None:  # on the process group's device (NCCL: the current CUDA device)
+        flags = self._flags.get(len(values))
+        if flags is None:  # on the process group's device (NCCL: the current CUDA device)
             nccl = "nccl" in str(dist.get_backend(self.pg)).lower()
-            self._flag = torch.zeros(1, dtype=torch.int32,
-                                     device=f"cuda:{torch.cuda.current_device()}" if nccl else "cpu")
-        self._flag.fill_(value)
-        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.pg)
-        return int(self._flag.item())
+            flags = self._flags[len(values)] = torch.zeros(
+                len(values), dtype=torch.int32, device=f"cuda:{torch.cuda.current_device()}" if nccl else "cpu")
+        flags.copy_(torch.tensor(values, dtype=torch.int32))
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pg)
+        return tuple(int(v) for v in flags.tolist())
 
     def first_problem(self, problem: str | None) -> str:
         """The lowest rank's problem, the same on every rank ("" when no rank has one)."""

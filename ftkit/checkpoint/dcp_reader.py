@@ -73,7 +73,7 @@ from .io.reader import (
     read_spans,
     scatter_file,
 )
-from .io.statefile import Undoable, aside_memory, destination, placeable
+from .io.statefile import Undoable, UndoLog, aside_memory, destination, placeable
 from .io.unpickle import NotOneTensor, meta_tensor
 
 __all__ = ["CorruptFile", "StreamingReader", "corrupt_file_in"]
@@ -273,7 +273,7 @@ class StreamingReader(dcp.FileSystemReader):
         self._metadata: Metadata | None = None
         self.guard: Callable[[torch.Tensor], bool] | None = None
         self._reads: list[_FileRead] = []  # every file read begun, for undo
-        self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live, its bytes before) for undo
+        self._log = UndoLog()  # what the reads and copies wrote over in guarded tensors, for undo
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's ``.metadata``, read once per load (the early read, the state keys and DCP's
@@ -361,22 +361,19 @@ class StreamingReader(dcp.FileSystemReader):
         """Stop and join the reads :meth:`prefetch` started that ``read_data`` did not take, and
         free what :attr:`guard` set aside (the load is done, or undone)."""
         self._stop()
-        self._reads, self._kept = [], []
+        self._reads, self._log = [], UndoLog()
 
     def undo(self) -> None:
         """Put back every byte of a :attr:`guard`-ed tensor this load wrote over (the reads are
         over: ``read_data`` returned or raised)."""
-        with torch.no_grad():
-            for live, before in reversed(self._kept):
-                live.copy_(before)
-        self._kept = []
-        for read in reversed(self._reads):
-            read.undo()
+        self._log.undo()
+        for read in self._reads:
+            read.release()
 
     def _keep(self, t: torch.Tensor) -> torch.Tensor:
         """``t``, about to be copied into: set aside first if :attr:`guard` says so."""
         if self.guard is not None and self.guard(t):
-            self._kept.append((t, t.detach().clone()))
+            self._log.copy(None, t)
         return t
 
     def _stop(self) -> None:
@@ -570,8 +567,7 @@ class _FileRead:
         self._result: tuple[Any, memoryview] | None = None
         self._error: BaseException | None = None
         self._copies: DeviceCopies | None = None
-        self._undo: list[Undoable] = []  # the guarded tensors' pieces written, to put back
-        self._aside: torch.Tensor | None = None  # what they held there
+        self._aside: torch.Tensor | None = None  # what the guarded tensors' pieces written held
         reader._reads.append(self)
         self.headers_read = threading.Event()  # the small reads are over (or the read ended)
         self._thread = threading.Thread(target=self._run, name="ftkit-dcp-file", daemon=True)
@@ -594,10 +590,14 @@ class _FileRead:
         return _reader.FRESH_WORKERS if fresh else _reader.WORKERS
 
     def undo(self) -> None:
-        """Put back what the read wrote over in guarded tensors (once its placing threads are done)."""
-        for part in self._undo:
-            part.undo()
-        self._undo, self._aside = [], None
+        """Put back what this read wrote over in guarded tensors (once its placing threads are
+        done), and free the memory it was set aside in."""
+        self._reader._log.undo(self)
+        self.release()
+
+    def release(self) -> None:
+        """Free the memory set aside (its bytes put back, or no longer needed)."""
+        self._aside = None
 
     def _run(self) -> None:
         try:
@@ -689,8 +689,7 @@ class _FileRead:
             if i and aims[i - 1][1] > start:
                 raise _Unsupported(f"{self.path}: items overlap")
             if guarded[i]:
-                self._undo.append(Undoable(target.data_ptr(), aside_at))
-                targets.append((start, end, self._undo[-1]))
+                targets.append((start, end, Undoable(target.data_ptr(), aside_at, self._reader._log, self)))
                 aside_at += end - start
             else:
                 targets.append((start, end, destination(target, self._copies)))

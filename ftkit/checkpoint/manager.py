@@ -59,7 +59,9 @@ __all__ = ["Checkpointer"]
 
 log = logging.getLogger(__name__)
 
-_REFUSED = "\x00refused\x00"  # a rank's problem that is a refusal to load (raised), not a broken file (skipped)
+# a rank's problem that fails the load on every rank (raised: a refusal to load it, a read that
+# failed not for the file's sake), not a broken file (skipped)
+_REFUSED = "\x00refused\x00"
 
 
 def _local_ranks(world_size: int) -> int:
@@ -271,8 +273,8 @@ class Checkpointer(CheckpointManager):
             # same on every rank (a filesystem may show one node an older checkpoint late)
             needed = info.valid and (not direct if is_dcp(info.files) else self.comm.distributed)
             fit = _fit(state, self.world_size) if needed else _UNKNOWN
-            agreed = self.comm.most(fit << 2 | (damaged is not None) << 1 | (not direct))
-            level, clean, direct = agreed >> 2, not agreed & 2, not agreed & 1
+            level, dirty, alone = self.comm.most(fit, damaged is not None, not direct)
+            clean, direct = not dirty, not alone
             # else (the only checkpoint, or the step asked for) straight in too where the reader
             # can undo it (a state file): what it overwrites is set aside on the way and put back
             # if the file turns out corrupt (a fresh start follows, or an error)
@@ -300,6 +302,7 @@ class Checkpointer(CheckpointManager):
             early = (self._start_read(path, info, cached=checked)
                      if (direct or checked or aside) and not problem else None)
             kept: SetAside | None = None
+            ran = False  # the read began, on every rank (the problems before it agreed on)
             try:
                 refused = (self._refusal(state, early.available, path)
                            if early is not None and not early.problem else "")
@@ -309,6 +312,7 @@ class Checkpointer(CheckpointManager):
                     if problem.startswith(_REFUSED):  # a key some rank's state has and the checkpoint not
                         raise CheckpointError(problem[len(_REFUSED):])
                     if not problem:
+                        ran = True
                         if aside and early is not None:  # what the reader writes over, set aside as it goes
                             kept = SetAside(state)
                             early.reader.guard = kept.guard
@@ -328,7 +332,9 @@ class Checkpointer(CheckpointManager):
                         raise
                     raise CheckpointError(_holds_corrupt(damaged, f"loading {path} instead failed ({exc})",
                                                          self.root)) from exc
-                if problem and (direct or checked) and self._written:
+                # a corrupt checkpoint's bytes in some rank's live tensors: every rank knows (each
+                # then asks whether the one loaded instead overwrote them, a collective)
+                if problem and ran and (direct or checked) and self.comm.anyone(bool(self._written)):
                     damaged = damaged or path
                     for key, tensors in self._written.items():
                         held.setdefault(key, []).extend(
@@ -494,6 +500,10 @@ class Checkpointer(CheckpointManager):
                     available |= saved_keys(path)
             except (CheckpointError, KeyError, OSError, ValueError) as exc:
                 problem = str(exc)
+            except Exception as exc:  # not the file's doing (memory, a device): fails the load on every rank
+                if not self.comm.distributed:
+                    raise
+                problem = _REFUSED + f"could not read {path / name}: rank {self.rank}: {type(exc).__name__}: {exc}"
             # one problem for every rank: a broken file is skipped, a key the checkpoint lacks
             # refused (on every rank, also where only some ranks' states have it)
             problem = self.comm.first_problem(problem or self._refusal(state, available, path))

@@ -59,7 +59,7 @@ from .reader import (
 )
 from .unpickle import PlainUnpickler, Storage
 
-__all__ = ["FILE_FORMAT", "Undoable", "aside_memory", "parse_state_file", "read_state_bytes", "read_state_file",
+__all__ = ["FILE_FORMAT", "UndoLog", "Undoable", "aside_memory", "parse_state_file", "read_state_bytes", "read_state_file",
            "read_state_into", "write_state_file"]
 
 log = logging.getLogger(__name__)
@@ -411,24 +411,55 @@ def aside_memory(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
+class UndoLog:
+    """What a load wrote over in live memory, each part in the order it was set aside (each
+    writer records it after copying it aside and before writing: ``list.append`` is
+    thread-safe), and :meth:`undo` puts the parts back last first. Where two writes cover the
+    same bytes (tied weights: a checkpoint holds the weight twice, the live model once) the
+    first one recorded set aside the bytes from before the load, since the other wrote only
+    once recorded itself, and it is put back last: the memory ends as it was, whichever
+    placing thread wrote first."""
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[Any, ...]] = []  # (owner, live address, aside address, n) or (owner, live, copy)
+
+    def __bool__(self) -> bool:
+        return bool(self._parts)
+
+    def span(self, owner: object, live: int, aside: int, n: int) -> None:
+        """``n`` bytes at address ``live``, just copied to ``aside``, are about to be written."""
+        self._parts.append((owner, live, aside, n))
+
+    def copy(self, owner: object, live: torch.Tensor) -> None:
+        """``live`` is about to be copied into: a copy of it set aside."""
+        self._parts.append((owner, live, live.detach().clone()))
+
+    def undo(self, owner: object = None) -> None:
+        """Every part recorded (only ``owner``'s, when given) put back, the last recorded first."""
+        mine = [p for p in self._parts if owner is None or p[0] is owner]
+        self._parts = [p for p in self._parts if not (owner is None or p[0] is owner)]
+        with torch.no_grad():
+            for part in reversed(mine):
+                if len(part) == 4:
+                    ctypes.memmove(part[1], part[2], part[3])
+                else:
+                    part[1].copy_(part[2])
+
+
 class Undoable:
     """A live host tensor's memory that a corrupt file must leave as it was (a
     :class:`ftkit.checkpoint.io.reader.Destination`): before the file's bytes are written over
-    a part of it, that part is copied aside; :meth:`undo` puts back every part written."""
+    a part of it, that part is copied aside and recorded in ``log`` (:meth:`UndoLog.undo`
+    puts it back), under ``owner`` (a file's read)."""
 
-    def __init__(self, live: int, aside: int) -> None:
+    def __init__(self, live: int, aside: int, log: UndoLog, owner: object = None) -> None:
         self.live, self.aside = live, aside  # addresses of the tensor's bytes and of their copy
-        self.spans: list[tuple[int, int]] = []  # (at, n) written so far (list.append: thread-safe)
+        self.log, self.owner = log, owner
 
     def write(self, at: int, src: int, n: int) -> None:
         ctypes.memmove(self.aside + at, self.live + at, n)
-        self.spans.append((at, n))
+        self.log.span(self.owner, self.live + at, self.aside + at, n)
         ctypes.memmove(self.live + at, src, n)
-
-    def undo(self) -> None:
-        for at, n in self.spans:
-            ctypes.memmove(self.live + at, self.aside + at, n)
-        self.spans.clear()
 
 
 def read_state_into(
@@ -490,7 +521,7 @@ def _read_state_into(directory: Path, name: str, meta: Mapping[str, Any],
     """:func:`read_state_into`; ``guess``: the local headers' places inferred from the archive's
     directory and checked once the file is read (:class:`LayoutGuess` when one is wrong)."""
     path = directory / name
-    holder: dict[str, Any] = {"fresh": 0, "undo": []}
+    holder: dict[str, Any] = {"fresh": 0, "undo": UndoLog()}
 
     def plan(mapping: Any, view: memoryview, fetch: Fetch) -> list[Target]:
         records, holder["checks"] = _fetch_all_but_storages(view, fetch, guess)
@@ -551,8 +582,7 @@ def _read_state_into(directory: Path, name: str, meta: Mapping[str, Any],
         out: list[Target] = []
         for a in alone:
             if a[2] in guarded:
-                out.append((a[0], a[1], Undoable(a[3].data_ptr(), aside_at)))
-                holder["undo"].append(out[-1][2])
+                out.append((a[0], a[1], Undoable(a[3].data_ptr(), aside_at, holder["undo"])))
                 aside_at += a[1] - a[0]
             else:
                 out.append((a[0], a[1], destination(a[3], copies)))
@@ -567,8 +597,7 @@ def _read_state_into(directory: Path, name: str, meta: Mapping[str, Any],
                                    placers=lambda: _reader.FRESH_WORKERS if holder["fresh"] >= FRESH_THREADS else _reader.WORKERS)
             check_guess(view, holder["checks"])  # the bytes parsed are the file's: so are the places?
         except BaseException as exc:
-            for part in holder["undo"]:  # (the placing threads are done) what must survive, put back
-                part.undo()
+            holder["undo"].undo()  # (the placing threads are done) what must survive, put back
             if isinstance(exc, (LayoutGuess, CheckpointError)) or not isinstance(exc, Exception):
                 raise
             if isinstance(exc, FileProblem):
@@ -576,29 +605,23 @@ def _read_state_into(directory: Path, name: str, meta: Mapping[str, Any],
             raise CheckpointError(f"cannot load {path}: {exc}") from exc
         finally:
             aside = holder.pop("aside", None)  # the copies set aside: freed once the file checks out
-    if keep is not None and holder["undo"]:  # ... or once every rank's did (the caller's put_back)
+    if keep is not None:  # ... or once every rank's did (the caller's put_back: the copies below too)
         keep(functools.partial(_put_back, holder["undo"], aside))
     with torch.no_grad():
         for fresh, live in holder["later"]:
-            if keep is not None and undo is not None and live.device.type == "cpu" and undo(live):
-                keep(functools.partial(_copy_into, live, live.clone()))
+            if keep is not None and undo is not None and undo(live):  # (on a GPU too: state outside the modules)
+                holder["undo"].copy(None, live)
             live.copy_(fresh)
     payload = _substitute(holder["payload"], holder["swap"])
     payload["owned"] = holder["owned"]
     return payload
 
 
-def _put_back(parts: list[Undoable], aside: torch.Tensor | None) -> None:
-    """``parts``' bytes put back from ``aside``, the memory they were set aside in (held by
-    whoever holds this call until then)."""
-    for part in parts:
-        part.undo()
+def _put_back(log: UndoLog, aside: torch.Tensor | None) -> None:
+    """What ``log`` recorded put back, from ``aside`` (the memory it was set aside in: held by
+    whoever holds this call until then) and its copies."""
+    log.undo()
     del aside
-
-
-def _copy_into(live: torch.Tensor, before: torch.Tensor) -> None:
-    with torch.no_grad():
-        live.copy_(before)
 
 
 def _live_side(targets: Callable[[dict[str, Any]], Mapping[int, torch.Tensor]], payload: dict[str, Any],
