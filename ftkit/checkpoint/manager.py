@@ -268,13 +268,13 @@ class Checkpointer(CheckpointManager):
             direct = step is None and any(validate_dir(p).valid for p in candidates[i + 1 :])
             info = validate_dir(path)  # read once here: each step below works from it
             # how every rank's modules and optimizers lie (see below), and whether every rank
-            # has an older checkpoint and none holds a corrupt one's bytes: one collective,
-            # every rank, whatever its own validation said, so that the ways below are the
-            # same on every rank (a filesystem may show one node an older checkpoint late)
+            # has an older checkpoint: one collective, every rank, whatever its own validation
+            # said, so that the ways below are the same on every rank (a filesystem may show one
+            # node an older checkpoint late; ``damaged`` is the same on every rank, see below)
             needed = info.valid and (not direct if is_dcp(info.files) else self.comm.distributed)
             fit = _fit(state, self.world_size) if needed else _UNKNOWN
-            level, dirty, alone = self.comm.most(fit, damaged is not None, not direct)
-            clean, direct = not dirty, not alone
+            level, alone = self.comm.most(fit, not direct)
+            direct, clean = not alone, damaged is None
             # else (the only checkpoint, or the step asked for) straight in too where the reader
             # can undo it (a state file): what it overwrites is set aside on the way and put back
             # if the file turns out corrupt (a fresh start follows, or an error)
