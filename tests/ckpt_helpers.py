@@ -69,7 +69,7 @@ def collect(procs: list[subprocess.Popen], timeout: float) -> list[str]:
     return outs
 
 
-def build_state(seed: int = 0, rank: int = 0, world_size: int = 1):
+def build_state(seed: int = 0, rank: int = 0, world_size: int = 1, device: str = "cpu"):
     import torch
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
@@ -80,7 +80,7 @@ def build_state(seed: int = 0, rank: int = 0, world_size: int = 1):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(96, 8, generator=g)
     y = x.sum(1, keepdim=True) + 0.1 * torch.randn(96, 1, generator=g)
-    model: nn.Module = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1))
+    model: nn.Module = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1)).to(device)
     if world_size > 1:
         model = nn.parallel.DistributedDataParallel(model)
     torch.manual_seed(seed + 1000 * rank)  # per-rank dropout streams
@@ -114,19 +114,20 @@ def train_main(argv: list[str]) -> None:
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--stop-at", type=int)
     ap.add_argument("--out")
+    ap.add_argument("--device", default="cpu")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-    state, loader = build_state(rank=rank, world_size=world)
+    state, loader = build_state(rank=rank, world_size=world, device=a.device)
     mgr = make_manager(CheckpointConfig(root=a.root, keep_last=2), rank=rank, world_size=world)
     step = mgr.load(state) or 0
     model, opt, sched = state["model"], state["optimizer"], state["scheduler"]
     losses: list[float] = []
     while step < a.steps:
         for x, y in loader:
-            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss = torch.nn.functional.mse_loss(model(x.to(a.device)), y.to(a.device))
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -178,6 +179,7 @@ def load_main(argv: list[str]) -> None:
     ``--no-room-on R``: rank R's modules and optimizers do not fit a copy in host memory
     (as ``--check-first`` makes every rank's).
     ``--out PATH``: the model's and optimizer's state dicts after the load, to ``PATH.rankR``.
+    ``--device cuda``: every rank's model and optimizer on the GPU (``train`` takes it too).
     Before the last line, one line per DCP streaming reader: ``reader direct=... read=[...]``,
     and one per state file read into the live tensors: ``state file into live: direct=...
     undo=... keep=...``."""
@@ -200,6 +202,7 @@ def load_main(argv: list[str]) -> None:
     ap.add_argument("--no-room-on", type=int)
     ap.add_argument("--fail-state-read-on", type=int)
     ap.add_argument("--out")
+    ap.add_argument("--device", default="cpu")
     a = ap.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:
@@ -208,7 +211,7 @@ def load_main(argv: list[str]) -> None:
         def fail(self, plan, planner):
             raise RuntimeError(f"rank {rank}: the read failed on purpose")
         StreamingReader.read_data = fail  # type: ignore[method-assign]
-    state, _ = build_state(rank=rank, world_size=world)
+    state, _ = build_state(rank=rank, world_size=world, device=a.device)
     if rank == a.extra_key_on:
         import torch
 

@@ -256,3 +256,47 @@ def test_the_only_checkpoint_onto_the_gpu_leaves_the_live_state_as_it_was_when_c
         assert got == 3
         have = _values(live)
         assert len(have) == len(want) and all(torch.equal(a, b) for a, b in zip(have, want, strict=True))
+
+
+@pytest.mark.parametrize("saves,corrupt", [(2, False), (2, True), (1, False), (1, True)],
+                         ids=["older-valid", "older-corrupt-newest", "only-valid", "only-corrupt"])
+def test_a_one_process_gpu_checkpoint_loads_on_two_ddp_ranks_on_the_gpu(tmp_path: Path, saves: int,
+                                                                        corrupt: bool) -> None:
+    """A requeue onto more ranks on GPUs: a state file that one process saved from the GPU,
+    loaded by two DDP ranks (gloo, both on this one GPU) whose model and Adam moments live on
+    the GPU. With an older checkpoint each rank reads the file whole straight into its CUDA
+    tensors (through the page cache, as one process does); a corrupt newest falls back to
+    exactly the older state on both. With nothing older (the GPU state is no copy in host
+    memory) the ranks take the careful read: valid, the trained state; corrupt, the state as
+    built and no optimizer state."""
+    from tests.ckpt_helpers import build_state, run_ranks
+
+    root, out = tmp_path / "ck", tmp_path / "trained"
+    steps = (4, 7)[:saves]
+    for step in steps:
+        run_ranks(["train", "--root", str(root), "--steps", str(step), "--stop-at", str(step),
+                   "--out", f"{out}{step}", "--device", "cuda"], 1)
+    newest = steps[-1]
+    if corrupt:
+        f = root / f"step-{newest:08d}" / "rank-00000.pt"
+        data = bytearray(f.read_bytes())
+        data[int(len(data) * 0.6)] ^= 0x10
+        f.write_bytes(bytes(data))
+    outs = run_ranks(["load", "--root", str(root), "--out", str(tmp_path / "loaded"), "--device", "cuda"], 2,
+                     timeout=180)
+    expect = {(2, False): 7, (2, True): 4, (1, False): 4, (1, True): None}[(saves, corrupt)]
+    if expect is None:
+        fresh, _ = build_state()
+        want = {"model": fresh["model"].state_dict(), "optimizer": {"state": {}}}
+    else:
+        want = torch.load(f"{out}{expect}.rank0", weights_only=True, map_location="cpu")
+    for rank, said in enumerate(o.strip().splitlines() for o in outs):
+        assert said[-1] == f"loaded {expect}", said
+        assert ("state file into live: direct=False undo=False keep=False" in said) == (saves == 2), said
+        got = torch.load(f"{tmp_path / 'loaded'}.rank{rank}", weights_only=True, map_location="cpu")
+        assert got["model"].keys() == want["model"].keys()
+        assert all(torch.equal(v, want["model"][k].cpu()) for k, v in got["model"].items()), rank
+        assert got["optimizer"]["state"].keys() == want["optimizer"]["state"].keys()
+        for pid, st in got["optimizer"]["state"].items():
+            assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(want["optimizer"]["state"][pid][k]).cpu())
+                       for k, v in st.items()), (rank, pid)
