@@ -1,7 +1,8 @@
 """A requeue onto another number of ranks: a checkpoint saved by ``--saved`` ranks, loaded
 cold by ``--loaded`` ranks (1 or 2 each).
 
-    python benchmarks/requeue_other_ranks.py [--saved 2] [--loaded 1] [--gb 1] [--rounds 3] [--older] [--dir DIR]
+    python benchmarks/requeue_other_ranks.py [--saved 2] [--loaded 1] [--gb 1] [--rounds 3] [--older] [--no-room]
+                                             [--dir DIR]
 
 ``--saved`` ranks (gloo on 127.0.0.1 when 2) save the same ``--gb`` GB state
 (``checkpoint_speed``'s model and Adam moments, replicated) with ftkit's Checkpointer: two
@@ -11,8 +12,10 @@ onto that many ranks does (two ranks each need all of it), against the raw cold 
 same files, once, side by side: ``--rounds`` rounds of each, order rotating, the page cache
 dropped before each (``checkpoint_speed._load_rounds``). The job's only checkpoint by default
 (nothing older to fall back on: the load sets aside what it writes over, or checks first);
-``--older``: a second save, the newest loaded with the first to fall back on. Prints the
-medians and load / raw read.
+``--older``: a second save, the newest loaded with the first to fall back on. ``--no-room``:
+the loading ranks' state taken as one no copy of which fits in host memory (as a GPU's is:
+``SetAside.fits`` false), the way such a load goes without a GPU. Prints the medians and
+load / raw read.
 """
 
 from __future__ import annotations
@@ -71,9 +74,13 @@ def save(root: Path, gb: float, saves: int) -> None:
         dist.destroy_process_group()
 
 
-def load(root: Path, gb: float, saves: int, rounds: int, out: Path) -> None:
+def load(root: Path, gb: float, saves: int, rounds: int, out: Path, no_room: bool = False) -> None:
     from ftkit.checkpoint import CheckpointConfig, make_manager
 
+    if no_room:
+        from ftkit.checkpoint.state.restore import SetAside
+
+        SetAside.fits = staticmethod(lambda state, sharing=1: False)  # type: ignore[method-assign]
     rank, world = _group()
     model, opt, nbytes = cs._build(gb)  # the state of its own: Adam with moments, other values
     state = {"model": model, "optimizer": opt}
@@ -103,6 +110,7 @@ def main() -> int:
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--older", action="store_true", help="save twice: load the newest, the first to fall back on")
+    ap.add_argument("--no-room", action="store_true", help="load as where no copy of the state fits in host memory")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="scratch directory on the disk to measure")
     ap.add_argument("--json", help="also write the result to this file")
     ap.add_argument("--role", choices=("saver", "loader"), help=argparse.SUPPRESS)
@@ -114,10 +122,11 @@ def main() -> int:
         save(root, a.gb, saves)
         return 0
     if a.role == "loader":
-        load(root, a.gb, saves, a.rounds, result)
+        load(root, a.gb, saves, a.rounds, result, a.no_room)
         return 0
     shutil.rmtree(root, ignore_errors=True)
-    common = ["--gb", str(a.gb), "--dir", a.dir, "--rounds", str(a.rounds)] + (["--older"] if a.older else [])
+    common = (["--gb", str(a.gb), "--dir", a.dir, "--rounds", str(a.rounds)] + (["--older"] if a.older else [])
+              + (["--no-room"] if a.no_room else []))
     try:
         _ranks(a.saved, ["--role", "saver", *common])
         _ranks(a.loaded, ["--role", "loader", *common])
@@ -126,6 +135,7 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
         result.unlink(missing_ok=True)
     which = "its newest, an older one to fall back on" if a.older else "its only checkpoint"
+    which += ", no room for a copy of the state" if a.no_room else ""
     runs = " ".join(f"{t:.2f}s" for t in r["load_runs"])
     saved = "2 ranks (DCP)" if a.saved == 2 else "1 process (a state file)"
     loaded = "2 ranks" if a.loaded == 2 else "1 process"

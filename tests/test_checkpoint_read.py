@@ -1299,8 +1299,8 @@ def test_a_one_process_checkpoint_loads_on_two_ranks_straight_into_their_live_te
     skipped, nor rank 0 waiting for rank 1 in a collective. With an older checkpoint, the newest
     is read straight in, nothing set aside. Valid: exactly the trained state on both ranks.
     Where only rank 0 sees the older checkpoint and no copy fits (``SetAside.fits`` false),
-    the ranks agree on the careful read for both (the memory-mapped file, DCP's full state
-    dicts) rather than rank 0 reading straight in and rank 1 waiting in another collective."""
+    the ranks agree on one way for both (the file checked first, then read straight in)
+    rather than rank 0 reading straight in and rank 1 waiting in another collective."""
     from tests.ckpt_helpers import build_state
 
     root, out = tmp_path / "ck", tmp_path / "trained"
@@ -1320,8 +1320,10 @@ def test_a_one_process_checkpoint_loads_on_two_ranks_straight_into_their_live_te
     trained = torch.load(f"{out}.rank0", weights_only=True)
     for rank, said in enumerate(lines):
         got = torch.load(f"{tmp_path / 'loaded'}.rank{rank}", weights_only=True)
-        careful = case == "older-hidden-from-rank-1"
-        assert (f"state file into live: direct=False undo={guarded} keep={guarded}" in said) != careful, said
+        if case == "older-hidden-from-rank-1":  # no copy fits: checked first, then read straight in
+            assert "state file into live: direct=False undo=False keep=False" in said, said
+        else:
+            assert f"state file into live: direct=False undo={guarded} keep={guarded}" in said, said
         if case in ("valid", "older-hidden-from-rank-1"):
             assert said[-1] == f"loaded {newest}", said
             assert all(torch.equal(v, trained["model"][k]) for k, v in got["model"].items())
@@ -1339,6 +1341,53 @@ def test_a_one_process_checkpoint_loads_on_two_ranks_straight_into_their_live_te
             assert said[-1] == "loaded None", said
         assert all(torch.equal(v, fresh["model"].state_dict()[k]) for k, v in got["model"].items())
         assert not got["optimizer"]["state"]
+
+
+@pytest.mark.parametrize("case", ["valid", "corrupt", "misread-by-the-checker", "misread-by-a-reader",
+                                  "restore-fails-on-rank-1"])
+def test_a_one_process_checkpoint_with_no_room_for_a_copy_is_checked_first_then_read_straight_in_on_two_ranks(
+        tmp_path, case):
+    """A requeue onto more ranks whose state has no room for a copy in host memory (a GPU's
+    state, or one too large: ``SetAside.fits`` false), nothing older to fall back on. Rank 0
+    checks the one-process state file through the page cache; once every rank agreed on it,
+    each reads it straight into its live tensors (no set-aside copy; not DCP's full state
+    dicts). Valid: exactly the trained state on both. Corrupt, or misread by the rank that
+    checks it: a fresh start on both, nothing read into either. Misread only by a rank that
+    reads it after the check (a node served other bytes): that rank's state holds some of them,
+    so the load fails on both ranks naming the step directory, no fresh start on a mixed state.
+    A restore that fails on rank 1 fails the load on both, naming it."""
+    from tests.ckpt_helpers import build_state
+
+    root, out = tmp_path / "ck", tmp_path / "trained"
+    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4", "--out", str(out)], 1)
+    if case == "corrupt":
+        _flip_rank_file(root, 4, 0)
+    extra = {"misread-by-the-checker": ["--misread-on", "0"], "misread-by-a-reader": ["--misread-on", "1"],
+             "restore-fails-on-rank-1": ["--fail-restore-on", "1"]}
+    outs = run_ranks(["load", "--root", str(root), "--out", str(tmp_path / "loaded"), "--check-first",
+                      *extra.get(case, [])], 2, timeout=90)
+    fresh, _ = build_state()
+    trained = torch.load(f"{out}.rank0", weights_only=True)
+    for rank, said in enumerate(o.strip().splitlines() for o in outs):
+        got = torch.load(f"{tmp_path / 'loaded'}.rank{rank}", weights_only=True)
+        read_in = "state file into live: direct=False undo=False keep=False" in said
+        if case == "valid":
+            assert read_in and said[-1] == "loaded 4", said
+            assert all(torch.equal(v, trained["model"][k]) for k, v in got["model"].items())
+            for pid, st in got["optimizer"]["state"].items():
+                assert all(torch.equal(v, trained["optimizer"]["state"][pid][k]) for k, v in st.items())
+        elif case in ("corrupt", "misread-by-the-checker"):
+            assert not read_in and said[-1] == "loaded None", said
+            assert all(torch.equal(v, fresh["model"].state_dict()[k]) for k, v in got["model"].items())
+            assert not got["optimizer"]["state"]
+        elif case == "misread-by-a-reader":
+            assert read_in, said
+            assert re.match(r"CheckpointError: .*step-00000004 was found corrupt while it was read into the live "
+                            r"state, and no older checkpoint", said[-1]), said
+        else:
+            assert read_in, said
+            assert re.match(r"CheckpointError: could not restore .*step-00000004 into the state: rank 1: "
+                            r"RuntimeError: rank 1: the scheduler refused its state on purpose$", said[-1]), said
 
 
 @pytest.mark.parametrize("saved_by", [2, 1], ids=["dcp", "one-process-state-file"])

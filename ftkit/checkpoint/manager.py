@@ -293,12 +293,16 @@ class Checkpointer(CheckpointManager):
             # several ranks, a one-process checkpoint (a requeue onto more ranks): each rank reads
             # the state file whole into its live tensors as one process does, where every rank's
             # modules and optimizers are plain tensors (each rank holds all of them, as with DDP;
-            # not shards, which DCP's reshards), and with nothing older where they fit as above
-            whole = self.comm.distributed and info.valid and not is_dcp(info.files) and (
-                level <= _PLAIN if direct else guarded and level == _FITS)
-            guarded = guarded and (whole or not self.comm.distributed)
+            # not shards, which DCP's reshards). With nothing older, the file is checked first
+            # (by one rank, through the page cache, as a DCP checkpoint's files are) and read
+            # straight in once every rank agreed on it: no copy of the live state is set aside
+            whole = self.comm.distributed and info.valid and not is_dcp(info.files) and level <= _PLAIN
+            first = whole and not direct and clean and self.config.verify_on_load and level == _PLAIN
+            whole = whole and (direct or first or (guarded and level == _FITS))
+            checked = checked or first
+            guarded = guarded and not first and (whole or not self.comm.distributed)
             self._written = {}  # what this candidate's _try_load reads into, if it runs
-            problem = self._check_here(path, info, streamed=direct or aside)
+            problem = self._check_here(path, info, streamed=direct or aside, whole=first)
             early = (self._start_read(path, info, cached=checked)
                      if (direct or checked or aside) and not problem else None)
             kept: SetAside | None = None
@@ -378,7 +382,7 @@ class Checkpointer(CheckpointManager):
         log.info("no valid checkpoint in %s: starting fresh", self.root)
         return None
 
-    def _check_here(self, path: Path, info: CheckpointInfo, *, streamed: bool = False) -> str:
+    def _check_here(self, path: Path, info: CheckpointInfo, *, streamed: bool = False, whole: bool = False) -> str:
         """This rank's part of validating ``path``: sizes, and the checksums of what is not
         checked as it is read (a state file is; the DCP files are when ``streamed``, by the
         rank that reads each, ``.metadata`` by each rank as it reads it): one process checks
@@ -393,7 +397,7 @@ class Checkpointer(CheckpointManager):
                 return ""
             return verify_files(path, info.files, [n for n in sorted(info.files) if n.startswith(f"{DCP_DIR}/")],
                                 cache=True)
-        skip = [n for n in info.files if n.startswith("rank-")  # checked as they are read
+        skip = [n for n in info.files if (n.startswith("rank-") and not whole)  # checked as they are read
                 or (streamed and n.startswith(f"{DCP_DIR}/"))]
         return verify_files(path, info.files, verify_share(info.files, self.rank, self.world_size, skip=skip),
                             cache=True)
