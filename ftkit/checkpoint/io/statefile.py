@@ -423,9 +423,6 @@ class UndoLog:
     def __init__(self) -> None:
         self._parts: list[tuple[Any, ...]] = []  # (owner, live address, aside address, n) or (owner, live, copy)
 
-    def __bool__(self) -> bool:
-        return bool(self._parts)
-
     def span(self, owner: object, live: int, aside: int, n: int) -> None:
         """``n`` bytes at address ``live``, just copied to ``aside``, are about to be written."""
         self._parts.append((owner, live, aside, n))
