@@ -180,6 +180,7 @@ def load_main(argv: list[str]) -> None:
     (as ``--check-first`` makes every rank's).
     ``--out PATH``: the model's and optimizer's state dicts after the load, to ``PATH.rankR``.
     ``--device cuda``: every rank's model and optimizer on the GPU (``train`` takes it too).
+    ``--step N``: load step N (``load(state, step=N)``), not the newest valid one.
     Before the last line, one line per DCP streaming reader: ``reader direct=... read=[...]``,
     and one per state file read into the live tensors: ``state file into live: direct=...
     undo=... keep=...``."""
@@ -203,6 +204,7 @@ def load_main(argv: list[str]) -> None:
     ap.add_argument("--fail-state-read-on", type=int)
     ap.add_argument("--out")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--step", type=int)
     a = ap.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:
@@ -286,7 +288,7 @@ def load_main(argv: list[str]) -> None:
 
         type(mgr)._check_here = check_then_change  # type: ignore[method-assign]
     try:
-        said = f"loaded {mgr.load(state)}"
+        said = f"loaded {mgr.load(state, step=a.step)}"
     except CheckpointError as exc:
         said = f"CheckpointError: {exc}"
     if a.out:

@@ -1344,7 +1344,7 @@ def test_a_one_process_checkpoint_loads_on_two_ranks_straight_into_their_live_te
 
 
 @pytest.mark.parametrize("case", ["valid", "corrupt", "misread-by-the-checker", "misread-by-a-reader",
-                                  "restore-fails-on-rank-1"])
+                                  "misread-by-a-reader-step-asked-for", "restore-fails-on-rank-1"])
 def test_a_one_process_checkpoint_with_no_room_for_a_copy_is_checked_first_then_read_straight_in_on_two_ranks(
         tmp_path, case):
     """A requeue onto more ranks whose state has no room for a copy in host memory (a GPU's
@@ -1354,7 +1354,9 @@ def test_a_one_process_checkpoint_with_no_room_for_a_copy_is_checked_first_then_
     dicts). Valid: exactly the trained state on both. Corrupt, or misread by the rank that
     checks it: a fresh start on both, nothing read into either. Misread only by a rank that
     reads it after the check (a node served other bytes): that rank's state holds some of them,
-    so the load fails on both ranks naming the step directory, no fresh start on a mixed state.
+    so the load fails on both ranks naming the step directory, no fresh start on a mixed state;
+    where that step was asked for (``load(state, step=4)``), it says so, not "no checkpoint"
+    (``NoCheckpointError``, whose exit code a requeue policy reads as nothing to resume from).
     A restore that fails on rank 1 fails the load on both, naming it."""
     from tests.ckpt_helpers import build_state
 
@@ -1363,6 +1365,7 @@ def test_a_one_process_checkpoint_with_no_room_for_a_copy_is_checked_first_then_
     if case == "corrupt":
         _flip_rank_file(root, 4, 0)
     extra = {"misread-by-the-checker": ["--misread-on", "0"], "misread-by-a-reader": ["--misread-on", "1"],
+             "misread-by-a-reader-step-asked-for": ["--misread-on", "1", "--step", "4"],
              "restore-fails-on-rank-1": ["--fail-restore-on", "1"]}
     outs = run_ranks(["load", "--root", str(root), "--out", str(tmp_path / "loaded"), "--check-first",
                       *extra.get(case, [])], 2, timeout=90)
@@ -1384,6 +1387,10 @@ def test_a_one_process_checkpoint_with_no_room_for_a_copy_is_checked_first_then_
             assert read_in, said
             assert re.match(r"CheckpointError: .*step-00000004 was found corrupt while it was read into the live "
                             r"state, and no older checkpoint", said[-1]), said
+        elif case == "misread-by-a-reader-step-asked-for":
+            assert read_in, said
+            assert re.match(r"CheckpointError: .*step-00000004, the step asked for, was found corrupt while it was "
+                            r"read into the live state \(.*rank-00000.pt.*\): this run cannot go on", said[-1]), said
         else:
             assert read_in, said
             assert re.match(r"CheckpointError: could not restore .*step-00000004 into the state: rank 1: "

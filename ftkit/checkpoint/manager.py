@@ -363,6 +363,12 @@ class Checkpointer(CheckpointManager):
             skipped.append(f"{path.name}: {problem}")
             log.warning("skipping checkpoint %s: %s", path, problem)
             self._emit("skip", step=info.step, path=str(path), reason=problem)
+        if step is not None and damaged is not None:  # not "no checkpoint": the state is not as it was
+            raise CheckpointError(
+                f"{damaged}, the step asked for, was found corrupt while it was read into the live state "
+                f"({skipped[0]}): this run cannot go on from a state that holds part of a corrupt checkpoint. "
+                "Load another step into a fresh state, or restore that step directory"
+            )
         if step is not None:
             raise NoCheckpointError(
                 f"checkpoint step {step} in {self.root} cannot be loaded: {skipped[0]}"
