@@ -69,7 +69,7 @@ def collect(procs: list[subprocess.Popen], timeout: float) -> list[str]:
     return outs
 
 
-def build_state(seed: int = 0, rank: int = 0, world_size: int = 1, device: str = "cpu"):
+def build_state(seed: int = 0, rank: int = 0, world_size: int = 1, device: str = "cpu", tied: bool = False):
     import torch
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
@@ -81,6 +81,10 @@ def build_state(seed: int = 0, rank: int = 0, world_size: int = 1, device: str =
     x = torch.randn(96, 8, generator=g)
     y = x.sum(1, keepdim=True) + 0.1 * torch.randn(96, 1, generator=g)
     model: nn.Module = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1)).to(device)
+    if tied:  # two layers that share one weight (as an output layer shares the embedding's)
+        model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.ReLU(), nn.Linear(8, 8, bias=False),
+                              nn.Linear(8, 1)).to(device)
+        model[2].weight = model[0].weight
     if world_size > 1:
         model = nn.parallel.DistributedDataParallel(model)
     torch.manual_seed(seed + 1000 * rank)  # per-rank dropout streams
@@ -115,12 +119,13 @@ def train_main(argv: list[str]) -> None:
     ap.add_argument("--stop-at", type=int)
     ap.add_argument("--out")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tied", action="store_true")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-    state, loader = build_state(rank=rank, world_size=world, device=a.device)
+    state, loader = build_state(rank=rank, world_size=world, device=a.device, tied=a.tied)
     mgr = make_manager(CheckpointConfig(root=a.root, keep_last=2), rank=rank, world_size=world)
     step = mgr.load(state) or 0
     model, opt, sched = state["model"], state["optimizer"], state["scheduler"]
@@ -181,6 +186,8 @@ def load_main(argv: list[str]) -> None:
     ``--out PATH``: the model's and optimizer's state dicts after the load, to ``PATH.rankR``.
     ``--device cuda``: every rank's model and optimizer on the GPU (``train`` takes it too).
     ``--step N``: load step N (``load(state, step=N)``), not the newest valid one.
+    ``--tied``: a model two of whose layers share one weight (``train`` takes it too); the
+    line before the last says whether they still do (``tied True``).
     Before the last line, one line per DCP streaming reader: ``reader direct=... read=[...]``,
     and one per state file read into the live tensors: ``state file into live: direct=...
     undo=... keep=...``."""
@@ -205,6 +212,7 @@ def load_main(argv: list[str]) -> None:
     ap.add_argument("--out")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--step", type=int)
+    ap.add_argument("--tied", action="store_true")
     a = ap.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:
@@ -213,7 +221,7 @@ def load_main(argv: list[str]) -> None:
         def fail(self, plan, planner):
             raise RuntimeError(f"rank {rank}: the read failed on purpose")
         StreamingReader.read_data = fail  # type: ignore[method-assign]
-    state, _ = build_state(rank=rank, world_size=world, device=a.device)
+    state, _ = build_state(rank=rank, world_size=world, device=a.device, tied=a.tied)
     if rank == a.extra_key_on:
         import torch
 
@@ -300,6 +308,9 @@ def load_main(argv: list[str]) -> None:
         print(f"reader direct={direct} read={reader.files_read}")
     for line in into_live:
         print(line)
+    if a.tied:
+        raw = state["model"].module if hasattr(state["model"], "module") else state["model"]
+        print(f"tied {raw[2].weight is raw[0].weight}")
     print(said)
 
 

@@ -417,6 +417,31 @@ def test_tied_weights_written_twice_by_a_corrupt_only_checkpoint_are_put_back_as
     assert torch.equal(live["model"][0].weight, before)
 
 
+@pytest.mark.parametrize("case", ["valid", "corrupt"])
+def test_tied_weights_of_two_ranks_read_from_their_only_dcp_checkpoint_in_one_pass(tmp_path, case):
+    """Tied weights (two layers of one weight) on two DDP ranks, their only checkpoint a DCP one,
+    read in one pass with what it writes over set aside: each rank writes the tied weight once
+    per key into the one live storage. Valid: the trained values, the layers still tied.
+    Corrupt (rank 1's file, found during its read): a fresh start on both, the tied weight as
+    built (the bytes from before the load, not the first key's bytes that the second write
+    set aside), still tied."""
+    from tests.ckpt_helpers import build_state
+
+    root, out = tmp_path / "ck", tmp_path / "trained"
+    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4", "--tied", "--out", str(out)], 2)
+    if case == "corrupt":
+        _flip_dcp_file(root, 4, 1)
+    outs = run_ranks(["load", "--root", str(root), "--tied", "--out", str(tmp_path / "loaded")], 2, timeout=90)
+    want = (torch.load(f"{out}.rank0", weights_only=True)["model"] if case == "valid"
+            else build_state(tied=True)[0]["model"].state_dict())
+    assert torch.equal(want["0.weight"], want["2.weight"])
+    for rank, said in enumerate(o.strip().splitlines() for o in outs):
+        assert said[-2:] == ["tied True", "loaded 4" if case == "valid" else "loaded None"], said
+        assert any(line.startswith("reader direct=") for line in said), said  # one pass, the streaming reader
+        got = torch.load(f"{tmp_path / 'loaded'}.rank{rank}", weights_only=True)["model"]
+        assert got.keys() == want.keys() and all(torch.equal(v, want[k]) for k, v in got.items()), rank
+
+
 def test_the_only_checkpoint_is_read_straight_into_the_live_tensors_exactly(tmp_path, monkeypatch):
     """With nothing older to fall back on, the file's tensors still go straight into the live
     tensors (none of them through the read buffer), the state is exactly step 3's, and the
