@@ -186,6 +186,8 @@ def load_main(argv: list[str]) -> None:
     ``--out PATH``: the model's and optimizer's state dicts after the load, to ``PATH.rankR``.
     ``--device cuda``: every rank's model and optimizer on the GPU (``train`` takes it too).
     ``--step N``: load step N (``load(state, step=N)``), not the newest valid one.
+    ``--one-rank-per-host``: each rank told it is the only one on its host (torchrun's
+    ``LOCAL_WORLD_SIZE=1``, ``LOCAL_RANK=0``), as on a job of one rank per node.
     ``--tied``: a model two of whose layers share one weight (``train`` takes it too); the
     line before the last says whether they still do (``tied True``).
     Before the last line, one line per DCP streaming reader: ``reader direct=... read=[...]``,
@@ -213,8 +215,11 @@ def load_main(argv: list[str]) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--step", type=int)
     ap.add_argument("--tied", action="store_true")
+    ap.add_argument("--one-rank-per-host", action="store_true")
     a = ap.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if a.one_rank_per_host:  # as torchrun launches one rank on each of several hosts
+        os.environ.update(LOCAL_WORLD_SIZE="1", LOCAL_RANK="0")
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     if rank == a.fail_read_on:

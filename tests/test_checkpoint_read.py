@@ -1369,7 +1369,8 @@ def test_a_one_process_checkpoint_loads_on_two_ranks_straight_into_their_live_te
 
 
 @pytest.mark.parametrize("case", ["valid", "corrupt", "misread-by-the-checker", "misread-by-a-reader",
-                                  "misread-by-a-reader-step-asked-for", "restore-fails-on-rank-1"])
+                                  "misread-by-a-reader-step-asked-for", "restore-fails-on-rank-1",
+                                  "valid-one-rank-per-host", "misread-on-another-host"])
 def test_a_one_process_checkpoint_with_no_room_for_a_copy_is_checked_first_then_read_straight_in_on_two_ranks(
         tmp_path, case):
     """A requeue onto more ranks whose state has no room for a copy in host memory (a GPU's
@@ -1382,7 +1383,10 @@ def test_a_one_process_checkpoint_with_no_room_for_a_copy_is_checked_first_then_
     so the load fails on both ranks naming the step directory, no fresh start on a mixed state;
     where that step was asked for (``load(state, step=4)``), it says so, not "no checkpoint"
     (``NoCheckpointError``, whose exit code a requeue policy reads as nothing to resume from).
-    A restore that fails on rank 1 fails the load on both, naming it."""
+    A restore that fails on rank 1 fails the load on both, naming it. One rank per host (as
+    on several nodes): each host's first rank checks the file, through the page cache it then
+    reads it from, so a host served other bytes finds them in its check: a fresh start on both,
+    nothing read in."""
     from tests.ckpt_helpers import build_state
 
     root, out = tmp_path / "ck", tmp_path / "trained"
@@ -1391,7 +1395,9 @@ def test_a_one_process_checkpoint_with_no_room_for_a_copy_is_checked_first_then_
         _flip_rank_file(root, 4, 0)
     extra = {"misread-by-the-checker": ["--misread-on", "0"], "misread-by-a-reader": ["--misread-on", "1"],
              "misread-by-a-reader-step-asked-for": ["--misread-on", "1", "--step", "4"],
-             "restore-fails-on-rank-1": ["--fail-restore-on", "1"]}
+             "restore-fails-on-rank-1": ["--fail-restore-on", "1"],
+             "valid-one-rank-per-host": ["--one-rank-per-host"],
+             "misread-on-another-host": ["--one-rank-per-host", "--misread-on", "1"]}
     outs = run_ranks(["load", "--root", str(root), "--out", str(tmp_path / "loaded"), "--check-first",
                       *extra.get(case, [])], 2, timeout=90)
     fresh, _ = build_state()
@@ -1399,12 +1405,12 @@ def test_a_one_process_checkpoint_with_no_room_for_a_copy_is_checked_first_then_
     for rank, said in enumerate(o.strip().splitlines() for o in outs):
         got = torch.load(f"{tmp_path / 'loaded'}.rank{rank}", weights_only=True)
         read_in = "state file into live: direct=False undo=False keep=False" in said
-        if case == "valid":
+        if case.startswith("valid"):
             assert read_in and said[-1] == "loaded 4", said
             assert all(torch.equal(v, trained["model"][k]) for k, v in got["model"].items())
             for pid, st in got["optimizer"]["state"].items():
                 assert all(torch.equal(v, trained["optimizer"]["state"][pid][k]) for k, v in st.items())
-        elif case in ("corrupt", "misread-by-the-checker"):
+        elif case in ("corrupt", "misread-by-the-checker", "misread-on-another-host"):
             assert not read_in and said[-1] == "loaded None", said
             assert all(torch.equal(v, fresh["model"].state_dict()[k]) for k, v in got["model"].items())
             assert not got["optimizer"]["state"]

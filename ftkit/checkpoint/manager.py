@@ -72,6 +72,18 @@ def _local_ranks(world_size: int) -> int:
         return world_size
 
 
+def _first_on_host(rank: int, world_size: int) -> bool:
+    """Whether ``rank`` is its host's first: torchrun's ``LOCAL_RANK`` (else srun's
+    ``SLURM_LOCALID``) is 0; without either, ranks placed on hosts in order of
+    :func:`_local_ranks` (all on one host where that is unknown)."""
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        try:
+            return int(os.environ[name]) == 0
+        except (KeyError, ValueError):
+            continue
+    return rank % max(1, _local_ranks(world_size)) == 0
+
+
 # a rank's modules and optimizers (the most of every rank's counts): unknown where a rank had
 # no need to look (another rank's need then takes the careful way)
 _FITS, _PLAIN, _SHARDED, _UNKNOWN = 0, 1, 2, 3
@@ -294,8 +306,9 @@ class Checkpointer(CheckpointManager):
             # the state file whole into its live tensors as one process does, where every rank's
             # modules and optimizers are plain tensors (each rank holds all of them, as with DDP;
             # not shards, which DCP's reshards). With nothing older, the file is checked first
-            # (by one rank, through the page cache, as a DCP checkpoint's files are) and read
-            # straight in once every rank agreed on it: no copy of the live state is set aside
+            # (by the first rank of each host, through the page cache that the host's ranks then
+            # read it from) and read straight in once every rank agreed on it: no copy of the
+            # live state is set aside
             whole = self.comm.distributed and info.valid and not is_dcp(info.files) and level <= _PLAIN
             first = whole and not direct and clean and self.config.verify_on_load and level == _PLAIN
             whole = whole and (direct or first or (guarded and level == _FITS))
@@ -325,7 +338,8 @@ class Checkpointer(CheckpointManager):
                             kept = SetAside(state)
                         problem = self._try_load(state, path, info, into_live=direct or checked or aside,
                                                  early=early, cover=damaged is not None, undo=guarded,
-                                                 whole=whole, keep=kept.by if kept is not None else None)
+                                                 whole=whole, keep=kept.by if kept is not None else None,
+                                                 cached=first)
                         if problem and kept is not None:
                             kept.undo()  # every rank skips it: the state is as it was
                             self._written = {}
@@ -392,7 +406,9 @@ class Checkpointer(CheckpointManager):
         """This rank's part of validating ``path``: sizes, and the checksums of what is not
         checked as it is read (a state file is; the DCP files are when ``streamed``, by the
         rank that reads each, ``.metadata`` by each rank as it reads it): one process checks
-        every DCP file, several ranks share the files out. Read before any bulk read queues
+        every DCP file, several ranks share the files out. ``whole`` (several ranks each read
+        one process's state file whole): the first rank of each host checks that file too,
+        so a host served other bytes than another finds them here, before any are read in. Read before any bulk read queues
         on the device, through the page cache (a load reads them from there next)."""
         if not info.valid:
             return f"{info.status}: {info.reason}"
@@ -403,10 +419,12 @@ class Checkpointer(CheckpointManager):
                 return ""
             return verify_files(path, info.files, [n for n in sorted(info.files) if n.startswith(f"{DCP_DIR}/")],
                                 cache=True)
-        skip = [n for n in info.files if (n.startswith("rank-") and not whole)  # checked as they are read
+        skip = [n for n in info.files if n.startswith("rank-")  # checked as they are read
                 or (streamed and n.startswith(f"{DCP_DIR}/"))]
-        return verify_files(path, info.files, verify_share(info.files, self.rank, self.world_size, skip=skip),
-                            cache=True)
+        mine = verify_share(info.files, self.rank, self.world_size, skip=skip)
+        if whole and _first_on_host(self.rank, self.world_size):  # read whole by every rank, checked on every host
+            mine.append(self._state_file(info, path)[0])
+        return verify_files(path, info.files, mine, cache=True)
 
     def _agree(self, problem: str) -> str:
         """The first rank's problem with the checkpoint, the same on every rank."""
@@ -473,7 +491,7 @@ class Checkpointer(CheckpointManager):
 
     def _try_load(self, state: Mapping[str, Any], path: Path, info: CheckpointInfo, *, into_live: bool = False,
                   early: _EarlyRead | None = None, cover: bool = False, undo: bool = False, whole: bool = False,
-                  keep: Callable[[Callable[[], None]], None] | None = None) -> str:
+                  keep: Callable[[Callable[[], None]], None] | None = None, cached: bool = False) -> str:
         """Load ``path`` (``info``: its validation) into ``state`` on any number of ranks
         (``state.keys``'s world-size rule).
 
@@ -489,7 +507,8 @@ class Checkpointer(CheckpointManager):
         were (``read_state_into``'s ``undo``). ``whole`` (several ranks, a one-process state file,
         each rank's modules and optimizers plain tensors): each rank reads and restores it as
         one process does; ``keep`` (with ``undo``): what its reader set aside, registered there
-        to put back should another rank fail.
+        to put back should another rank fail. ``cached``: the state file was just checked on
+        this host through the page cache, and is read from there.
         """
         self._written = {}
         sharded = is_dcp(info.files)
@@ -502,7 +521,7 @@ class Checkpointer(CheckpointManager):
             payload, available = {}, set()
             try:
                 payload = self._read(state, path, info, name, into_live=into_live, undo=undo, whole=whole,
-                                     keep=keep)
+                                     keep=keep, cached=cached)
                 available = set(payload["state"])
                 if sharded:
                     from .dcp import saved_keys
@@ -605,7 +624,7 @@ class Checkpointer(CheckpointManager):
 
     def _read(self, state: Mapping[str, Any], path: Path, info: CheckpointInfo, name: str, *,
               into_live: bool, undo: bool = False, whole: bool = False,
-              keep: Callable[[Callable[[], None]], None] | None = None) -> dict[str, Any]:
+              keep: Callable[[Callable[[], None]], None] | None = None, cached: bool = False) -> dict[str, Any]:
         """This rank's state file of ``path``, read and parsed (``_try_load`` without an early read)."""
         sharded = is_dcp(info.files)
         verify = self.config.verify_on_load  # a state file is checked as it is read (DCP's: _check_here)
@@ -629,7 +648,8 @@ class Checkpointer(CheckpointManager):
             return found
 
         # the ranks of one host read the same file: through the page cache, once from the disk
-        shared = whole and _local_ranks(self.world_size) > 1
+        # (as does a rank that just checked it through there)
+        shared = whole and (_local_ranks(self.world_size) > 1 or cached)
         try:
             payload = read_state_into(path, name, info.files[name], targets, verify=verify,
                                       direct=False if shared else self.config.direct_io,
