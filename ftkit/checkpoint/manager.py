@@ -408,8 +408,9 @@ class Checkpointer(CheckpointManager):
         rank that reads each, ``.metadata`` by each rank as it reads it): one process checks
         every DCP file, several ranks share the files out. ``whole`` (several ranks each read
         one process's state file whole): the first rank of each host checks that file too,
-        so a host served other bytes than another finds them here, before any are read in. Read before any bulk read queues
-        on the device, through the page cache (a load reads them from there next)."""
+        so a host served other bytes than another finds them here, before any are read in.
+        Read before any bulk read queues on the device, through the page cache (a load reads
+        them from there next)."""
         if not info.valid:
             return f"{info.status}: {info.reason}"
         if not self.config.verify_on_load:
