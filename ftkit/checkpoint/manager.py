@@ -309,9 +309,9 @@ class Checkpointer(CheckpointManager):
             # (by the first rank of each host, through the page cache that the host's ranks then
             # read it from) and read straight in once every rank agreed on it: no copy of the
             # live state is set aside
-            whole = self.comm.distributed and info.valid and not is_dcp(info.files) and level <= _PLAIN
-            first = whole and not direct and clean and self.config.verify_on_load and level == _PLAIN
-            whole = whole and (direct or first or (guarded and level == _FITS))
+            replicated = self.comm.distributed and info.valid and not is_dcp(info.files) and level <= _PLAIN
+            first = replicated and not direct and clean and self.config.verify_on_load and level == _PLAIN
+            whole = replicated and (direct or first or (guarded and level == _FITS))
             checked = checked or first
             guarded = guarded and not first and (whole or not self.comm.distributed)
             self._written = {}  # what this candidate's _try_load reads into, if it runs
