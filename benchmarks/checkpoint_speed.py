@@ -888,9 +888,17 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS), help=argparse.SUPPRESS)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--size", type=float, help=argparse.SUPPRESS)
+    # CxD: the reader's requests C MiB, D in flight, in every worker (benchmarks/read_shape.py)
+    ap.add_argument("--read-shape", help=argparse.SUPPRESS)
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
+    if args.read_shape:
+        os.environ["FTKIT_BENCH_READ_SHAPE"] = args.read_shape  # the workers' environment
+    if args.worker and os.environ.get("FTKIT_BENCH_READ_SHAPE"):
+        from read_shape import parse_shape, set_shape
+
+        set_shape(*parse_shape(os.environ["FTKIT_BENCH_READ_SHAPE"]))
     if args.worker in TWO_RANKS:
         res = worker_2ranks(args.worker, args.size, Path(args.dir), args.load_rounds, args.settle)
         print(json.dumps(res))
@@ -913,7 +921,8 @@ def main() -> int:
         if not torch.cuda.is_available():
             ap.error("--device cuda: torch sees no CUDA device here")
         gpu = f", state on {torch.cuda.get_device_name()} (torch {torch.__version__})"
-    print(f"checkpoint_speed: sizes {sizes} GB, scratch {base_dir}, {os.cpu_count()} CPUs{gpu}")
+    shape = f", reader requests {args.read_shape} (MiB x in flight)" if args.read_shape else ""
+    print(f"checkpoint_speed: sizes {sizes} GB, scratch {base_dir}, {os.cpu_count()} CPUs{gpu}{shape}")
     results: dict = {}
     goals: list[dict] = []
     for gb in sizes:
@@ -925,7 +934,8 @@ def main() -> int:
     failed = [g for g in goals if not g["pass"]]
     print(f"\n{len(goals) - len(failed)}/{len(goals)} goals met")
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": args.device, "results": results, "goals": goals}, indent=1))
+        Path(args.json).write_text(json.dumps({"device": args.device, "read_shape": args.read_shape or "2x16",
+                                                "results": results, "goals": goals}, indent=1))
     return 0
 
 

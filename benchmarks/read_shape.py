@@ -1,0 +1,111 @@
+"""A cold load's request shape: ftkit's reader with other request sizes and depths, side by side.
+
+    python benchmarks/read_shape.py [--gb 1] [--device cpu|cuda] [--shapes 2x16,4x8,8x4,8x8,16x2]
+                                    [--rounds 5] [--settle 0.5] [--dir DIR]
+
+The reader (:mod:`ftkit.checkpoint.io.reader`) reads a file in ``CHUNK``-byte requests,
+``DEPTH`` of them in flight. ``2x16`` (2 MiB, sixteen) is the default, chosen on a VM whose disk
+completes the reads in flight together; another disk (a cloud VM's virtio, an NVMe, a parallel
+filesystem) may stream better with larger requests. This script times, in one process, cold
+loads (``Checkpointer.load`` of the newest of two checkpoints, state files, the state on
+``--device``) with each shape ``CxD`` (C MiB, D in flight; the module constants set for the
+measurement only), rotating with the raw ``O_DIRECT`` read of the same file (16 MiB requests,
+one and four in flight, as ``checkpoint_speed.py`` reads), each after ``sync``, dropping the
+page cache (root) and ``--settle`` seconds of pause. Prints each shape's median load and its
+ratio to the faster raw read's median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import checkpoint_speed as cs  # the same model, raw read and preparation
+
+MIB = 1 << 20
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"8x4"`` -> (8 MiB, 4 in flight)."""
+    chunk, _, depth = text.partition("x")
+    return int(chunk) * MIB, int(depth)
+
+
+def set_shape(chunk: int, depth: int) -> None:
+    """The reader's request size and depth, in every module that holds them (for a measurement)."""
+    from ftkit.checkpoint import dcp_reader
+    from ftkit.checkpoint.io import reader, statefile
+
+    for mod in (reader, statefile, dcp_reader):
+        mod.CHUNK = chunk
+    reader.DEPTH = depth
+    reader.SUB = min(chunk, 2 * MIB)  # each part still in the CPU cache when placed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gb", type=float, default=1.0, help="state size in GB (model + Adam moments)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the live state is")
+    ap.add_argument("--shapes", default="2x16,4x8,8x4,8x8,16x2", help="CxD: C MiB requests, D in flight")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--settle", type=float, default=0.5)
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    args = ap.parse_args()
+    cs.DEVICE = args.device
+    import torch
+
+    from ftkit.checkpoint import CheckpointConfig, make_manager
+
+    torch.set_num_threads(2)
+    model, opt, _ = cs._build(args.gb)
+    state = {"model": model, "optimizer": opt}
+    work = Path(tempfile.mkdtemp(prefix="read-shape-", dir=args.dir))
+    cfg = CheckpointConfig(root=work / "ck", keep_last=None)
+    mgr = make_manager(cfg)
+    mgr.save(1, state)  # an older one to fall back on: the newest is read straight in
+    mgr.save(2, state)
+    files = cs._files_under(work / "ck" / "step-00000002")
+    size = sum(f.stat().st_size for f in files)
+    buf = cs._huge_copy(memoryview(bytes(cs._READ_CHUNK)))
+    shapes = [s for s in args.shapes.split(",") if s]
+    kinds = [*shapes, "raw1", "raw4"]
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    set_shape(*parse_shape(shapes[0]))
+    assert make_manager(cfg).load(state) == 2  # warm: code paths, staging, pinned pool
+    for i in range(args.rounds):
+        for what in kinds[i % len(kinds):] + kinds[: i % len(kinds)]:
+            if what.startswith("raw"):
+                cs._settle(args.settle)
+                times[what].append(cs._raw_read(files, buf, depth=int(what[-1])))
+                continue
+            set_shape(*parse_shape(what))
+            cs._settle(args.settle)
+            t = time.perf_counter()
+            assert make_manager(cfg).load(state) == 2
+            cs._sync()
+            times[what].append(time.perf_counter() - t)
+    raw = min(statistics.median(times["raw1"]), statistics.median(times["raw4"]))
+    dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"read_shape: {size / 1e9:.2f} GB of state files, state on {dev}, {args.rounds} cold rounds each, "
+          f"{os.cpu_count()} CPUs; raw read {size / raw / 1e6:.0f} MB/s "
+          f"(1: {' '.join(f'{t:.3f}' for t in times['raw1'])}; 4: {' '.join(f'{t:.3f}' for t in times['raw4'])})")
+    for s in shapes:
+        med = statistics.median(times[s])
+        print(f"  {s:>5}  load {med:.3f}s  ({' '.join(f'{t:.3f}' for t in times[s])})  "
+              f"{size / med / 1e6:5.0f} MB/s  load / raw read {raw / med:.2f}")
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
