@@ -13,6 +13,10 @@ measurement only), rotating with the raw ``O_DIRECT`` read of the same file (16 
 one and four in flight, as ``checkpoint_speed.py`` reads), each after ``sync``, dropping the
 page cache (root) and ``--settle`` seconds of pause. Prints each shape's median load and its
 ratio to the faster raw read's median.
+
+With ``--device cuda`` the reader reads into pinned staging (``torch``'s pinned allocator),
+where on a CPU it reads into huge pages; the same raw reads into a pinned buffer (``pinned 1``,
+``pinned 4``) are timed too, to tell a slower read into pinned memory from the copies' cost.
 """
 
 from __future__ import annotations
@@ -76,15 +80,20 @@ def main() -> int:
     size = sum(f.stat().st_size for f in files)
     buf = cs._huge_copy(memoryview(bytes(cs._READ_CHUNK)))
     shapes = [s for s in args.shapes.split(",") if s]
-    kinds = [*shapes, "raw1", "raw4"]
+    pinned = None
+    if args.device == "cuda":  # the raw read into pinned memory too, page-aligned, as the staging
+        block = torch.empty(cs._READ_CHUNK + 4096, dtype=torch.uint8, pin_memory=True)
+        start = -block.data_ptr() % 4096
+        pinned = block.numpy().data.cast("B")[start : start + cs._READ_CHUNK]
+    kinds = [*shapes, "raw1", "raw4", *(["pinned1", "pinned4"] if pinned is not None else [])]
     times: dict[str, list[float]] = {k: [] for k in kinds}
     set_shape(*parse_shape(shapes[0]))
     assert make_manager(cfg).load(state) == 2  # warm: code paths, staging, pinned pool
     for i in range(args.rounds):
         for what in kinds[i % len(kinds):] + kinds[: i % len(kinds)]:
-            if what.startswith("raw"):
+            if what.startswith(("raw", "pinned")):
                 cs._settle(args.settle)
-                times[what].append(cs._raw_read(files, buf, depth=int(what[-1])))
+                times[what].append(cs._raw_read(files, buf if what.startswith("raw") else pinned, depth=int(what[-1])))
                 continue
             set_shape(*parse_shape(what))
             cs._settle(args.settle)
@@ -97,6 +106,12 @@ def main() -> int:
     print(f"read_shape: {size / 1e9:.2f} GB of state files, state on {dev}, {args.rounds} cold rounds each, "
           f"{os.cpu_count()} CPUs; raw read {size / raw / 1e6:.0f} MB/s "
           f"(1: {' '.join(f'{t:.3f}' for t in times['raw1'])}; 4: {' '.join(f'{t:.3f}' for t in times['raw4'])})")
+    if pinned is not None:
+        for depth in "14":
+            med = statistics.median(times[f"pinned{depth}"])
+            print(f"  raw read into pinned memory, {depth} in flight: {med:.3f}s  "
+                  f"({' '.join(f'{t:.3f}' for t in times[f'pinned{depth}'])})  {size / med / 1e6:5.0f} MB/s, "
+                  f"{raw / med:.2f} of the raw read into huge pages")
     for s in shapes:
         med = statistics.median(times[s])
         print(f"  {s:>5}  load {med:.3f}s  ({' '.join(f'{t:.3f}' for t in times[s])})  "
