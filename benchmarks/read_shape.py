@@ -9,8 +9,8 @@ completes the reads in flight together; another disk (a cloud VM's virtio, an NV
 filesystem) may stream better with larger requests. This script times, in one process, cold
 loads (``Checkpointer.load`` of the newest of two checkpoints, state files, the state on
 ``--device``) with each shape ``CxD`` (C MiB, D in flight; the module constants set for the
-measurement only), rotating with the raw ``O_DIRECT`` read of the same file (16 MiB requests,
-one and four in flight, as ``checkpoint_speed.py`` reads), each after ``sync``, dropping the
+measurement only), rotating with the raw ``O_DIRECT`` read of the same file (one 16 MiB request at a
+time, or four 4 MiB ones in flight, as ``checkpoint_speed.py`` reads), each after ``sync``, dropping the
 page cache (root) and ``--settle`` seconds of pause. Prints each shape's median load and its
 ratio to the faster raw read's median.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -116,8 +117,6 @@ def main() -> int:
         med = statistics.median(times[s])
         print(f"  {s:>5}  load {med:.3f}s  ({' '.join(f'{t:.3f}' for t in times[s])})  "
               f"{size / med / 1e6:5.0f} MB/s  load / raw read {raw / med:.2f}")
-    import shutil
-
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
