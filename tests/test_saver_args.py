@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,11 @@ def test_find_savers_reads_a_live_process_command_line(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", "-m", SAVER_MODULE,
                              *args.to_argv()], stdin=subprocess.PIPE)
     try:
+        # Popen can return while exec is still setting up the child: /proc shows an empty cmdline
+        deadline = time.monotonic() + 30
+        while SAVER_MODULE.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes():
+            assert time.monotonic() < deadline, "the child never showed its command line"
+            time.sleep(0.01)
         assert find_savers(job) == [proc.pid]
         assert find_savers(other) == []
     finally:
