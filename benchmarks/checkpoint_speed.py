@@ -934,7 +934,8 @@ def main() -> int:
     failed = [g for g in goals if not g["pass"]]
     print(f"\n{len(goals) - len(failed)}/{len(goals)} goals met")
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": args.device, "read_shape": args.read_shape or "2x16",
+        # read_shape: None where the reader ran with its own CHUNK x DEPTH
+        Path(args.json).write_text(json.dumps({"device": args.device, "read_shape": args.read_shape,
                                                 "results": results, "goals": goals}, indent=1))
     return 0
 
