@@ -890,6 +890,8 @@ def main() -> int:
     ap.add_argument("--size", type=float, help=argparse.SUPPRESS)
     # CxD: the reader's requests C MiB, D in flight, in every worker (benchmarks/read_shape.py)
     ap.add_argument("--read-shape", help=argparse.SUPPRESS)
+    # a GPU load's staging (ftkit.checkpoint.io.device.STAGING) in every worker: pinned, registered
+    ap.add_argument("--staging", choices=["pinned", "registered"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -899,6 +901,12 @@ def main() -> int:
         from read_shape import parse_shape, set_shape
 
         set_shape(*parse_shape(os.environ["FTKIT_BENCH_READ_SHAPE"]))
+    if args.staging:
+        os.environ["FTKIT_BENCH_STAGING"] = args.staging
+    if args.worker and os.environ.get("FTKIT_BENCH_STAGING"):
+        from ftkit.checkpoint.io import device as _device
+
+        _device.STAGING = os.environ["FTKIT_BENCH_STAGING"]
     if args.worker in TWO_RANKS:
         res = worker_2ranks(args.worker, args.size, Path(args.dir), args.load_rounds, args.settle)
         print(json.dumps(res))
@@ -922,6 +930,7 @@ def main() -> int:
             ap.error("--device cuda: torch sees no CUDA device here")
         gpu = f", state on {torch.cuda.get_device_name()} (torch {torch.__version__})"
     shape = f", reader requests {args.read_shape} (MiB x in flight)" if args.read_shape else ""
+    shape += f", GPU load staging {args.staging}" if args.staging else ""
     print(f"checkpoint_speed: sizes {sizes} GB, scratch {base_dir}, {os.cpu_count()} CPUs{gpu}{shape}")
     results: dict = {}
     goals: list[dict] = []
@@ -934,8 +943,9 @@ def main() -> int:
     failed = [g for g in goals if not g["pass"]]
     print(f"\n{len(goals) - len(failed)}/{len(goals)} goals met")
     if args.json:
-        # read_shape: None where the reader ran with its own CHUNK x DEPTH
+        # read_shape, staging: None where the reader ran with its own CHUNK x DEPTH and staging
         Path(args.json).write_text(json.dumps({"device": args.device, "read_shape": args.read_shape,
+                                                "staging": args.staging,
                                                 "results": results, "goals": goals}, indent=1))
     return 0
 

@@ -1,7 +1,7 @@
 """A cold load's request shape: ftkit's reader with other request sizes and depths, side by side.
 
     python benchmarks/read_shape.py [--gb 1] [--device cpu|cuda] [--shapes 2x16,4x8,8x4,8x8,16x2]
-                                    [--rounds 5] [--settle 0.5] [--dir DIR]
+                                    [--staging pinned,registered] [--rounds 5] [--settle 0.5] [--dir DIR]
 
 The reader (:mod:`ftkit.checkpoint.io.reader`) reads a file in ``CHUNK``-byte requests,
 ``DEPTH`` of them in flight. ``2x16`` (2 MiB, sixteen) is the default, chosen on a VM whose disk
@@ -14,9 +14,12 @@ time, or four 4 MiB ones in flight, as ``checkpoint_speed.py`` reads), each afte
 page cache (root) and ``--settle`` seconds of pause. Prints each shape's median load and its
 ratio to the faster raw read's median.
 
-With ``--device cuda`` the reader reads into pinned staging (``torch``'s pinned allocator),
-where on a CPU it reads into huge pages; the same raw reads into a pinned buffer (``pinned 1``,
-``pinned 4``) are timed too, to tell a slower read into pinned memory from the copies' cost.
+With ``--device cuda`` the reader reads into pinned staging, where on a CPU it reads into huge
+pages; the same raw reads into a buffer from torch's pinned allocator (``pinned 1``, ``pinned 4``)
+are timed too, to tell a slower read into pinned memory from the copies' cost. ``--staging``
+(``--device cuda`` only) times each shape with each kind of staging (``io.device.STAGING``):
+torch's pinned allocator (``pinned``, the default) and huge pages registered with CUDA
+(``registered``).
 """
 
 from __future__ import annotations
@@ -60,14 +63,21 @@ def main() -> int:
     ap.add_argument("--gb", type=float, default=1.0, help="state size in GB (model + Adam moments)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the live state is")
     ap.add_argument("--shapes", default="2x16,4x8,8x4,8x8,16x2", help="CxD: C MiB requests, D in flight")
+    ap.add_argument("--staging", default="pinned", help="GPU staging kinds, comma-separated: pinned, registered")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--settle", type=float, default=0.5)
     ap.add_argument("--dir", default=tempfile.gettempdir())
     args = ap.parse_args()
+    stagings = [k for k in args.staging.split(",") if k]
+    if not stagings or not set(stagings) <= {"pinned", "registered"}:
+        ap.error(f"--staging {args.staging}: pinned, registered or both")
+    if args.device != "cuda" and stagings != ["pinned"]:
+        ap.error("--staging is for --device cuda: a load onto the CPU stages in huge pages")
     cs.DEVICE = args.device
     import torch
 
     from ftkit.checkpoint import CheckpointConfig, make_manager
+    from ftkit.checkpoint.io import device as _device
 
     torch.set_num_threads(2)
     model, opt, _ = cs._build(args.gb)
@@ -81,22 +91,26 @@ def main() -> int:
     size = sum(f.stat().st_size for f in files)
     buf = cs._huge_copy(memoryview(bytes(cs._READ_CHUNK)))
     shapes = [s for s in args.shapes.split(",") if s]
+    loads = {(f"{s}/{k}" if len(stagings) > 1 else s): (s, k) for s in shapes for k in stagings}
     pinned = None
     if args.device == "cuda":  # the raw read into pinned memory too, page-aligned, as the staging
         block = torch.empty(cs._READ_CHUNK + 4096, dtype=torch.uint8, pin_memory=True)
         start = -block.data_ptr() % 4096
         pinned = block.numpy().data.cast("B")[start : start + cs._READ_CHUNK]
-    kinds = [*shapes, "raw1", "raw4", *(["pinned1", "pinned4"] if pinned is not None else [])]
+    kinds = [*loads, "raw1", "raw4", *(["pinned1", "pinned4"] if pinned is not None else [])]
     times: dict[str, list[float]] = {k: [] for k in kinds}
     set_shape(*parse_shape(shapes[0]))
-    assert make_manager(cfg).load(state) == 2  # warm: code paths, staging, pinned pool
+    for staging in stagings:  # warm: code paths, staging, pinned pool, registered block
+        _device.STAGING = staging
+        assert make_manager(cfg).load(state) == 2
     for i in range(args.rounds):
         for what in kinds[i % len(kinds):] + kinds[: i % len(kinds)]:
             if what.startswith(("raw", "pinned")):
                 cs._settle(args.settle)
                 times[what].append(cs._raw_read(files, buf if what.startswith("raw") else pinned, depth=int(what[-1])))
                 continue
-            set_shape(*parse_shape(what))
+            shape, _device.STAGING = loads[what]
+            set_shape(*parse_shape(shape))
             cs._settle(args.settle)
             t = time.perf_counter()
             assert make_manager(cfg).load(state) == 2
@@ -113,7 +127,9 @@ def main() -> int:
             print(f"  raw read into pinned memory, {depth} in flight: {med:.3f}s  "
                   f"({' '.join(f'{t:.3f}' for t in times[f'pinned{depth}'])})  {size / med / 1e6:5.0f} MB/s, "
                   f"{raw / med:.2f} of the raw read into huge pages")
-    for s in shapes:
+    if "registered" in stagings and _device._Registered._refused:
+        print(f"  registered staging was refused ({_device._Registered._refused}): those loads staged in pinned memory")
+    for s in loads:
         med = statistics.median(times[s])
         print(f"  {s:>5}  load {med:.3f}s  ({' '.join(f'{t:.3f}' for t in times[s])})  "
               f"{size / med / 1e6:5.0f} MB/s  load / raw read {raw / med:.2f}")

@@ -130,17 +130,21 @@ def _values(state: dict) -> list[torch.Tensor]:
             + [v.detach().cpu() for st in state["optimizer"].state.values() for v in st.values() if torch.is_tensor(v)])
 
 
+@pytest.mark.parametrize("staging", ["pinned", "registered"])
 @pytest.mark.parametrize("raw", [True, False], ids=["cuda-runtime", "copy_"])
 def test_a_resume_onto_the_gpu_copies_each_piece_to_the_live_tensors_as_it_arrives(tmp_path: Path, monkeypatch,
-                                                                                   raw: bool) -> None:
+                                                                                   raw: bool, staging: str) -> None:
     """With an older checkpoint to fall back on, the newest state file is read once into pinned
-    staging and its CUDA tensors' bytes go to the live GPU tensors by host-to-device copies
-    (``io.device``, queued through the CUDA runtime's C API or, without it, ``Tensor.copy_``):
-    the same tensors, filled in place, bit for bit the saved values; work queued on them before
-    the load does not overwrite them."""
+    staging (torch's pinned allocator, or huge pages registered with CUDA) and its CUDA tensors'
+    bytes go to the live GPU tensors by host-to-device copies (``io.device``, queued through the
+    CUDA runtime's C API or, without it, ``Tensor.copy_``): the same tensors, filled in place,
+    bit for bit the saved values; work queued on them before the load does not overwrite them."""
     from ftkit.checkpoint.io import device as _device
 
     monkeypatch.setattr(_device, "RAW", raw)
+    monkeypatch.setattr(_device, "STAGING", staging)
+    monkeypatch.setattr(_device._Registered, "_kept", [])
+    monkeypatch.setattr(_device._Registered, "_refused", None)
     assert (_device._Runtime.get() is not None) or not raw  # torch's libcudart was found
     recorded: list[int] = []
     real_record = _device._Events.record
@@ -160,6 +164,9 @@ def test_a_resume_onto_the_gpu_copies_each_piece_to_the_live_tensors_as_it_arriv
     model_bytes = sum(t.numel() * t.element_size() for t in live["model"].state_dict().values())
     assert sum(written) >= model_bytes  # the model (and the moments) went by device copies
     assert (len(recorded) == len(written)) if raw else not recorded
+    kept = _device._Registered._kept  # given back after the load, registered: pinned for CUDA
+    assert (len(kept) == 1 and kept[0].is_pinned()) if staging == "registered" else not kept
+    assert _device._Registered._refused is None
 
 
 def test_a_requeued_jobs_fresh_optimizer_gets_its_moments_read_straight_onto_the_gpu(tmp_path: Path,

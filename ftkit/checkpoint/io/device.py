@@ -1,13 +1,12 @@
 """A resume onto a GPU: each piece the reader brings in is copied to the device as it arrives.
 
 With live tensors on a CUDA device, :func:`ftkit.checkpoint.io.reader.scatter_file` reads the
-file into pinned staging buffers (page-locked host memory from torch's pinned allocator,
-:meth:`DeviceCopies.stages`), and the bytes of a CUDA tensor go to the device by a
-host-to-device copy queued on a side stream (:class:`DeviceTensor`, a
-:class:`ftkit.checkpoint.io.reader.Destination`): a DMA from the staging buffer, asynchronous
-because the buffer is pinned, so the next reads are in flight while earlier pieces cross to the
-GPU. The reader reads into a buffer again only once the event recorded after its copies has
-passed (its :class:`ftkit.checkpoint.io.reader.Fence`).
+file into pinned staging buffers (page-locked host memory, :meth:`DeviceCopies.stages`), and
+the bytes of a CUDA tensor go to the device by a host-to-device copy queued on a side stream
+(:class:`DeviceTensor`, a :class:`ftkit.checkpoint.io.reader.Destination`): a DMA from the
+staging buffer, asynchronous because the buffer is pinned, so the next reads are in flight
+while earlier pieces cross to the GPU. The reader reads into a buffer again only once the
+event recorded after its copies has passed (its :class:`ftkit.checkpoint.io.reader.Fence`).
 
 Stream rules, as for the async save's copies (:mod:`ftkit.checkpoint.background.buffers`): the
 side stream first waits for the compute stream of its device, so work queued on the live
@@ -25,6 +24,13 @@ stream context, slices and event is tens of microseconds of Python under the GIL
 thread submitting the next reads waits for. ``ctypes`` releases the GIL for the call. Where
 that runtime is not found (a build that links it statically), :data:`RAW` is False or the
 calling thread's current device is another, the copy goes through ``copy_`` as before.
+
+The staging is of one of two kinds (:data:`STAGING`): a block from torch's pinned allocator
+(``cudaHostAlloc``), or page-aligned memory in transparent huge pages, as a load onto the CPU
+reads into, registered with CUDA (``cudaHostRegister``) and kept for the process's next GPU
+load (:class:`_Registered`). An ``O_DIRECT`` read lands in either by DMA; the difference is
+the pages it is split into (the block layer merges physically adjacent pages into one segment).
+Where registering fails, the load logs it once and stages in torch's pinned memory.
 """
 
 from __future__ import annotations
@@ -32,20 +38,25 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import itertools
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from .direct import BLOCK
+from .direct import BLOCK, aligned_empty
 
-__all__ = ["RAW", "DeviceCopies", "DeviceTensor", "load_copies", "wanted"]
+__all__ = ["RAW", "STAGING", "DeviceCopies", "DeviceTensor", "load_copies", "wanted"]
+
+log = logging.getLogger(__name__)
 
 RAW = True  # queue the copies through the CUDA runtime's C API (else Tensor.copy_; both are tested)
 EVENTS = 64  # events of one device a load records in turn (a fence waits for its event's latest
 # record: one recorded again later waits a little longer, never too little, as the copies of
 # one side stream run in order)
+STAGING = "pinned"  # a load's staging: torch's pinned allocator ("pinned"), or huge pages registered
+# with CUDA ("registered"); benchmarks/read_shape.py --staging times both side by side
 
 
 def wanted() -> bool:
@@ -161,6 +172,53 @@ class _Events:
         self.handles = []
 
 
+class _Registered:
+    """Host memory in huge pages, registered with CUDA once and reused by the process's GPU
+    loads one at a time (:func:`take`, :func:`give`): :data:`KEEP` blocks at most are kept."""
+
+    KEEP = 1
+    _lock = threading.Lock()
+    _kept: list[torch.Tensor] = []
+    _refused: str | None = None  # why registering failed (then never tried again)
+
+    @staticmethod
+    def register(block: torch.Tensor) -> int:
+        """``cudaHostRegister`` of ``block`` (portable: pinned for every device's context); the
+        CUDA error code, 0 when registered."""
+        return int(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), block.numel(), 1))
+
+    @classmethod
+    def take(cls, nbytes: int) -> torch.Tensor | None:
+        """A registered block of ``nbytes`` (one kept from an earlier load, else a new one), or
+        None where registering failed (logged once: the caller stages in pinned memory)."""
+        with cls._lock:
+            for i, block in enumerate(cls._kept):
+                if block.numel() == nbytes:
+                    return cls._kept.pop(i)
+            if cls._refused is not None:
+                return None
+        block = aligned_empty((nbytes,), torch.uint8)  # on a 2 MiB boundary, huge-page advice
+        block.fill_(0)  # faulted in here, in huge pages where the kernel gives them
+        err = cls.register(block)
+        if err:
+            with cls._lock:
+                if cls._refused is None:
+                    cls._refused = f"CUDA error {err}"
+                    log.warning("cudaHostRegister of %d bytes of load staging failed (CUDA error %s): GPU loads "
+                                "stage in torch's pinned memory instead", nbytes, err)
+            return None
+        return block
+
+    @classmethod
+    def give(cls, block: torch.Tensor) -> None:
+        """Back for the next load (its copies are done); beyond :data:`KEEP`, unregistered and freed."""
+        with cls._lock:
+            if len(cls._kept) < cls.KEEP:
+                cls._kept.append(block)
+                return
+        torch.cuda.cudart().cudaHostUnregister(block.data_ptr())
+
+
 class DeviceCopies:
     """The pinned staging buffers of one load and its host-to-device copies (one side stream per
     device); :meth:`finish` after the read, also when it failed."""
@@ -168,7 +226,9 @@ class DeviceCopies:
     def __init__(self, *, chunk: int, count: int) -> None:
         self._chunk, self._count = chunk, count
         # one pinned block for all pieces, page-aligned (O_DIRECT reads into it)
-        self._pinned = torch.empty(chunk * count + BLOCK, dtype=torch.uint8, pin_memory=True)
+        self._registered = _Registered.take(chunk * count) if STAGING == "registered" else None
+        self._pinned = (self._registered if self._registered is not None
+                        else torch.empty(chunk * count + BLOCK, dtype=torch.uint8, pin_memory=True))
         self._base = self._pinned.data_ptr() + (-self._pinned.data_ptr() % BLOCK)
         self._offset = self._base - self._pinned.data_ptr()
         self._sides: dict[torch.device, Any] = {}
@@ -204,6 +264,10 @@ class DeviceCopies:
             side.synchronize()
         for events in self._events.values():
             events.destroy()
+        self._events = {}
+        if self._registered is not None:  # no copy reads it any more
+            _Registered.give(self._registered)
+            self._registered = None
 
 
 class DeviceTensor:
