@@ -25,6 +25,7 @@ import time
 import warnings
 import weakref
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,6 +45,32 @@ from ftkit.errors import CheckpointError
 from tests.ckpt_helpers import make_mgr, native_aio, run_ranks
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux-only")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """``trained(root, saved_by, *steps)``: ``root`` as the helper trainer leaves it after
+    ``run_ranks(["train", "--root", root, "--steps", s, "--stop-at", s], saved_by)`` for each
+    step ``s`` in turn (a checkpoint at each, the later runs resuming from the one before).
+    Made by those real runs once per test process and copied for each test, since many tests
+    start from the same checkpoints and each run of ranks costs seconds of imports."""
+    cache = tmp_path_factory.mktemp("trained")
+    made: dict[tuple[int, tuple[int, ...]], Path] = {}
+
+    def make(root: Path, saved_by: int, *steps: int) -> Path:
+        for i in range(len(steps)):
+            key = (saved_by, steps[: i + 1])
+            if key in made:
+                continue
+            work = cache / ("by{}-{}".format(saved_by, "-".join(map(str, key[1]))))
+            if i:
+                shutil.copytree(made[(saved_by, steps[:i])], work)
+            run_ranks(["train", "--root", str(work), "--steps", str(steps[i]), "--stop-at", str(steps[i])], saved_by)
+            made[key] = work
+        shutil.copytree(made[(saved_by, steps)], root)
+        return root
+
+    return make
 
 
 def _entry(path) -> dict:
@@ -843,15 +870,14 @@ def _dcp_reference_and_live(root) -> tuple[dict, dict]:
     return reference, state
 
 
-def test_a_dcp_checkpoint_is_read_once_per_file_straight_into_the_live_tensors(tmp_path, monkeypatch, caplog):
+def test_a_dcp_checkpoint_is_read_once_per_file_straight_into_the_live_tensors(tmp_path, trained, monkeypatch, caplog):
     """A two-rank DCP checkpoint (with an older one to fall back on), loaded in one process:
     every ``.distcp`` file is read once, with O_DIRECT, checked as it arrives, its tensors
     straight into the live model and optimizer; the state equals DCP's own reader's."""
     from ftkit.checkpoint import dcp_reader as _dcp_reader
 
     root = tmp_path / "ck"
-    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], 2)
-    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], 2)
+    trained(root, 2, 4, 7)
     distcp = sorted((root / "step-00000007" / "dcp").glob("*.distcp"))
     assert len(distcp) == 2
     reference, state = _dcp_reference_and_live(root)
@@ -963,7 +989,7 @@ def _grow_dcp_item(step, name: str, by: int) -> tuple[int, int]:
     return info.offset, info.length
 
 
-def test_a_dcp_item_not_where_its_layout_was_guessed_is_noticed_and_the_file_read_again(tmp_path, caplog):
+def test_a_dcp_item_not_where_its_layout_was_guessed_is_noticed_and_the_file_read_again(tmp_path, trained, caplog):
     """A DCP load reads one item per storage size first and takes the others' storages to lie
     as theirs do. An item whose archive ends differently (a zip comment: a writer of another
     kind) gets its tensor's bytes from the wrong place: once the file is read, its directory
@@ -972,8 +998,7 @@ def test_a_dcp_item_not_where_its_layout_was_guessed_is_noticed_and_the_file_rea
     import logging
 
     root = tmp_path / "ck"
-    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], 2)
-    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], 2)
+    trained(root, 2, 4, 7)
     step = root / "step-00000007"
     name = sorted(p.name for p in (step / "dcp").glob("__0_*.distcp"))[0]
     _grow_dcp_item(step, name, 40)
@@ -1075,7 +1100,7 @@ def _flip_dcp_tensor_pickle(root, step, rank):
     ids=["one-rank", "two-ranks-rank1-state-file", "two-ranks-dcp-file", "two-ranks-dcp-metadata",
          "two-ranks-dcp-value-pickle", "two-ranks-dcp-tensor-pickle", "one-process-file-on-two-ranks"],
 )
-def test_resume_past_a_corrupt_newest_is_bit_identical_to_resuming_the_older(tmp_path, worlds, corrupt):
+def test_resume_past_a_corrupt_newest_is_bit_identical_to_resuming_the_older(tmp_path, trained, worlds, corrupt):
     """A real trainer (dropout, sampler, Adam, StepLR; DDP + DCP with two ranks) checkpoints at
     step 4 and 7; step 7's file is corrupted (rank 1's state file, read by rank 1 alone, or a
     DCP file; or the one state file of one process, which two ranks resume from, each reading
@@ -1083,9 +1108,8 @@ def test_resume_past_a_corrupt_newest_is_bit_identical_to_resuming_the_older(tmp
     from step 4 gives."""
     saved_by, world_size = worlds
     root, only_older = tmp_path / "ck", tmp_path / "older"
-    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], saved_by)
-    shutil.copytree(root, only_older)
-    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], saved_by)
+    trained(only_older, saved_by, 4)
+    trained(root, saved_by, 4, 7)
     corrupt(root, 7, saved_by - 1)
     for r, out in ((root, "fallback"), (only_older, "reference")):
         run_ranks(["train", "--root", str(r), "--steps", "10", "--out", str(tmp_path / out)], world_size)
@@ -1100,7 +1124,7 @@ def test_resume_past_a_corrupt_newest_is_bit_identical_to_resuming_the_older(tmp
 
 
 @pytest.mark.parametrize("values", [True, False], ids=["a-value", "a-tensor"])
-def test_a_two_rank_checkpoint_with_a_pickle_that_does_not_parse_falls_back_in_one_process(tmp_path, values):
+def test_a_two_rank_checkpoint_with_a_pickle_that_does_not_parse_falls_back_in_one_process(tmp_path, trained, values):
     """A requeue onto one process of a two-rank DCP checkpoint whose item pickle is corrupt: it
     reads every file itself, and the pickle fails to parse before the file's CRC-32 is known.
     The checkpoint is skipped as corrupt and the older one loaded, exactly as DCP reads it
@@ -1108,8 +1132,7 @@ def test_a_two_rank_checkpoint_with_a_pickle_that_does_not_parse_falls_back_in_o
     from tests.ckpt_helpers import build_state
 
     root = tmp_path / "ck"
-    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], 2)
-    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], 2)
+    trained(root, 2, 4, 7)
     _flip_in_a_dcp_pickle(root, 7, values=values)
     want, _ = build_state()
     assert make_mgr(root).load(want, step=4) == 4
@@ -1126,29 +1149,27 @@ def test_a_two_rank_checkpoint_with_a_pickle_that_does_not_parse_falls_back_in_o
     ("--fail-restore-on", r"CheckpointError: could not restore .*step-00000007 into the state: rank 1: "
                           r"RuntimeError: rank 1: the scheduler refused its state on purpose$"),
 ], ids=["a-key-only-rank-1-has", "a-restore-failing-on-rank-1"])
-def test_what_one_rank_refuses_or_fails_to_restore_fails_the_load_on_every_rank(tmp_path, saved_by, flag, said):
+def test_what_one_rank_refuses_or_fails_to_restore_fails_the_load_on_every_rank(tmp_path, trained, saved_by, flag, said):
     """Rank 1's state has a key the checkpoints lack (strict), or rank 1's scheduler refuses
     its saved state after the files were read and agreed on: the load fails on every rank,
     naming rank 1 (and the key, or the error). No rank hangs in a collective rank 1 never
     reaches, none reports the checkpoint loaded and trains on alone, rank 1 does not crash
     alone; for a one-process checkpoint (every rank reads the full state) and a DCP one."""
     root = tmp_path / "ck"
-    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], saved_by)
-    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], saved_by)
+    trained(root, saved_by, 4, 7)
     outs = run_ranks(["load", "--root", str(root), flag, "1"], 2, timeout=90)
     said_by = [out.strip().splitlines()[-1] for out in outs]
     for line in said_by:
         assert re.match(said, line), said_by
 
 
-def test_a_dcp_read_that_fails_on_one_rank_fails_the_load_on_every_rank_naming_it(tmp_path):
+def test_a_dcp_read_that_fails_on_one_rank_fails_the_load_on_every_rank_naming_it(tmp_path, trained):
     """Each rank reads its part of a DCP checkpoint without DCP's collectives, and the ranks
     agree before anything is set: a rank whose read fails (not a corrupt file, so nothing to
     fall back for) fails every rank's load, the others naming it, instead of one rank hanging
     or training on while another is gone. With nothing failing, the same checkpoint loads."""
     root = tmp_path / "ck"
-    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], 2)
-    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], 2)
+    trained(root, 2, 4, 7)
     outs = run_ranks(["load", "--root", str(root), "--fail-read-on", "1"], 2, timeout=60)
     said = [out.strip().splitlines()[-1] for out in outs]
     for line in said:
@@ -1191,7 +1212,7 @@ def test_a_set_aside_names_the_live_memory_and_empties_a_fresh_optimizer_only_wh
 
 
 @pytest.mark.parametrize("way", ["streamed", "another-layout", "another-ranks-file", "dcp-own-reader"])
-def test_a_guarded_dcp_read_puts_back_every_byte_it_wrote_whichever_way_it_wrote(tmp_path, monkeypatch, way):
+def test_a_guarded_dcp_read_puts_back_every_byte_it_wrote_whichever_way_it_wrote(tmp_path, trained, monkeypatch, way):
     """A DCP load with nothing older (:class:`SetAside`): the streaming reader sets aside what
     it writes over in the live modules and optimizers, and ``undo`` puts back every byte of
     it, whichever way the load wrote: streamed straight into the tensors (each piece set
@@ -1208,7 +1229,7 @@ def test_a_guarded_dcp_read_puts_back_every_byte_it_wrote_whichever_way_it_wrote
     from tests.ckpt_helpers import build_state
 
     root = tmp_path / "ck"
-    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], 2)
+    trained(root, 2, 4)
     step = root / "step-00000004"
     state, loader = build_state()
     x, y = next(iter(loader))
@@ -1429,7 +1450,7 @@ def test_a_one_process_checkpoint_with_no_room_for_a_copy_is_checked_first_then_
 
 
 @pytest.mark.parametrize("saved_by", [2, 1], ids=["dcp", "one-process-state-file"])
-def test_ranks_that_see_the_older_checkpoint_differently_take_the_same_way_past_a_corrupt_newest(tmp_path,
+def test_ranks_that_see_the_older_checkpoint_differently_take_the_same_way_past_a_corrupt_newest(tmp_path, trained,
                                                                                                  saved_by):
     """Two checkpoints, the newest corrupt (rank 1's DCP file, or the one state file); rank 1
     does not see the older one (a filesystem that shows one node a directory late), and for
@@ -1441,8 +1462,7 @@ def test_ranks_that_see_the_older_checkpoint_differently_take_the_same_way_past_
     from tests.ckpt_helpers import build_state
 
     root = tmp_path / "ck"
-    for step in (4, 7):
-        run_ranks(["train", "--root", str(root), "--steps", str(step), "--stop-at", str(step)], saved_by)
+    trained(root, saved_by, 4, 7)
     (_flip_dcp_file if saved_by == 2 else _flip_rank_file)(root, 7, saved_by - 1)
     extra = ["--no-room-on", "0"] if saved_by == 1 else []
     outs = run_ranks(["load", "--root", str(root), "--out", str(tmp_path / "loaded"), "--hide-older-on", "1", *extra],
@@ -1475,15 +1495,14 @@ def test_crc32_combine_gives_zlibs_crc_of_the_joined_bytes_in_both_implementatio
             assert crc == zlib.crc32(data), (cuts, combine)
 
 
-def test_a_dcp_load_that_stops_before_the_read_leaves_no_reader_running_and_the_state_untouched(tmp_path):
+def test_a_dcp_load_that_stops_before_the_read_leaves_no_reader_running_and_the_state_untouched(tmp_path, trained):
     """The newest DCP checkpoint's own file starts streaming before DCP has planned the load;
     a load refused after that (a state key the checkpoint lacks) stops that read: no reader
     thread is left running and nothing of the file reached the live state."""
     from tests.ckpt_helpers import build_state
 
     root = tmp_path / "ck"
-    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4"], 2)
-    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7"], 2)
+    trained(root, 2, 4, 7)
     state, _ = build_state()
     state["not_saved"] = {"value": 1}
     before = {k: v.clone() for k, v in state["model"].state_dict().items()}
