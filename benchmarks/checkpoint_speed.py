@@ -903,6 +903,7 @@ def main() -> int:
         set_shape(*parse_shape(os.environ["FTKIT_BENCH_READ_SHAPE"]))
     if args.staging:
         os.environ["FTKIT_BENCH_STAGING"] = args.staging
+    args.staging = os.environ.get("FTKIT_BENCH_STAGING") or None  # the workers' (one inherited too)
     if args.worker and os.environ.get("FTKIT_BENCH_STAGING"):
         from ftkit.checkpoint.io import device as _device
 

@@ -63,6 +63,7 @@ def trained(tmp_path_factory):
             if key in made:
                 continue
             work = cache / ("by{}-{}".format(saved_by, "-".join(map(str, key[1]))))
+            shutil.rmtree(work, ignore_errors=True)  # what a failed run left
             if i:
                 shutil.copytree(made[(saved_by, steps[:i])], work)
             run_ranks(["train", "--root", str(work), "--steps", str(steps[i]), "--stop-at", str(steps[i])], saved_by)

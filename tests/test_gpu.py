@@ -143,8 +143,8 @@ def test_a_resume_onto_the_gpu_copies_each_piece_to_the_live_tensors_as_it_arriv
 
     monkeypatch.setattr(_device, "RAW", raw)
     monkeypatch.setattr(_device, "STAGING", staging)
-    monkeypatch.setattr(_device._Registered, "_kept", [])
     monkeypatch.setattr(_device._Registered, "_refused", None)
+    _device._Registered.clear()  # unregistered before they are freed
     assert (_device._Runtime.get() is not None) or not raw  # torch's libcudart was found
     recorded: list[int] = []
     real_record = _device._Events.record
@@ -167,6 +167,8 @@ def test_a_resume_onto_the_gpu_copies_each_piece_to_the_live_tensors_as_it_arriv
     kept = _device._Registered._kept  # given back after the load, registered: pinned for CUDA
     assert (len(kept) == 1 and kept[0].is_pinned()) if staging == "registered" else not kept
     assert _device._Registered._refused is None
+    _device._Registered.clear()
+    assert not _device._Registered._held
 
 
 def test_a_requeued_jobs_fresh_optimizer_gets_its_moments_read_straight_onto_the_gpu(tmp_path: Path,

@@ -129,6 +129,9 @@ class Segment:
             err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), self.size, 0)
             self._registered = int(err) == 0
             if not self._registered:
+                from ..io.device import forget_cuda_error
+
+                forget_cuda_error()  # handled: torch's next kernel launch must not raise it
                 log.warning("cudaHostRegister of %s failed (%s): device copies will be synchronous", self.path, err)
         self._base = base
 

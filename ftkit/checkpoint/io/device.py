@@ -30,7 +30,8 @@ The staging is of one of two kinds (:data:`STAGING`): a block from torch's pinne
 reads into, registered with CUDA (``cudaHostRegister``) and kept for the process's next GPU
 load (:class:`_Registered`). An ``O_DIRECT`` read lands in either by DMA; the difference is
 the pages it is split into (the block layer merges physically adjacent pages into one segment).
-Where registering fails, the load logs it once and stages in torch's pinned memory.
+Where registering fails (or torch's CUDA runtime library is not found), the load logs it once
+and stages in torch's pinned memory.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import torch
 
 from .direct import BLOCK, aligned_empty
 
-__all__ = ["RAW", "STAGING", "DeviceCopies", "DeviceTensor", "load_copies", "wanted"]
+__all__ = ["RAW", "STAGING", "DeviceCopies", "DeviceTensor", "forget_cuda_error", "load_copies", "wanted"]
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,8 @@ class _Runtime:
         for name, args in (("cudaMemcpyAsync", [vp, vp, ctypes.c_size_t, i, vp]), ("cudaEventRecord", [vp, vp]),
                            ("cudaEventSynchronize", [vp]), ("cudaGetDevice", [ctypes.POINTER(i)]),
                            ("cudaEventCreateWithFlags", [ctypes.POINTER(vp), ctypes.c_uint]),
-                           ("cudaEventDestroy", [vp])):
+                           ("cudaEventDestroy", [vp]), ("cudaHostRegister", [vp, ctypes.c_size_t, ctypes.c_uint]),
+                           ("cudaHostUnregister", [vp]), ("cudaGetLastError", [])):
             f = getattr(lib, name)
             f.argtypes, f.restype = args, i
         lib.cudaGetErrorString.argtypes, lib.cudaGetErrorString.restype = [i], ctypes.c_char_p
@@ -172,20 +174,63 @@ class _Events:
         self.handles = []
 
 
+def _context_device() -> int:
+    """A device whose primary context exists (the calling thread's current one where it has
+    one), for host-memory calls that work for every device but run in the current one's
+    context: a placing thread's current device is 0 and may have none, and creating one costs
+    memory on a GPU this process does not use (torch's pinned allocator does the same)."""
+    current = torch.cuda.current_device()
+    has = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if has is None or has(current):
+        return current
+    return next((i for i in range(torch.cuda.device_count()) if has(i)), current)
+
+
+def forget_cuda_error() -> None:
+    """Take back the error a failed CUDA runtime call left for this thread (``cudaGetLastError``):
+    a call whose failure was handled must not make torch's next kernel launch raise it."""
+    rt = _Runtime.get()
+    if rt is not None:
+        rt.lib.cudaGetLastError()
+
+
 class _Registered:
     """Host memory in huge pages, registered with CUDA once and reused by the process's GPU
-    loads one at a time (:func:`take`, :func:`give`): :data:`KEEP` blocks at most are kept."""
+    loads one at a time (:meth:`take`, :meth:`give`); :data:`KEEP` free blocks are kept.
+
+    A registered block is never freed while registered: every one is held in ``_held`` until
+    :meth:`unregister` (a block whose copies may still be running, after an error, stays held
+    and is not reused)."""
 
     KEEP = 1
     _lock = threading.Lock()
-    _kept: list[torch.Tensor] = []
+    _kept: list[torch.Tensor] = []  # registered and free, the latest given back last
+    _held: dict[int, torch.Tensor] = {}  # every registered block, by address
     _refused: str | None = None  # why registering failed (then never tried again)
 
     @staticmethod
-    def register(block: torch.Tensor) -> int:
-        """``cudaHostRegister`` of ``block`` (portable: pinned for every device's context); the
-        CUDA error code, 0 when registered."""
-        return int(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), block.numel(), 1))
+    def register(block: torch.Tensor) -> str | None:
+        """``cudaHostRegister`` of ``block`` (portable: pinned for every device's context); why
+        not, or None when registered."""
+        rt = _Runtime.get()
+        if rt is None:
+            return "the CUDA runtime library torch uses was not found in this process"
+        with torch.cuda.device(_context_device()):
+            code = rt.lib.cudaHostRegister(block.data_ptr(), block.numel(), 1)
+            if code:
+                rt.lib.cudaGetLastError()  # handled here: not for torch's next launch to raise
+        return f"CUDA error {code} ({rt.lib.cudaGetErrorString(code).decode()})" if code else None
+
+    @classmethod
+    def unregister(cls, block: torch.Tensor) -> None:
+        """``cudaHostUnregister``, then the block may be freed."""
+        rt = _Runtime.get()
+        if rt is not None:
+            with torch.cuda.device(_context_device()):
+                if rt.lib.cudaHostUnregister(block.data_ptr()):
+                    rt.lib.cudaGetLastError()
+        with cls._lock:
+            cls._held.pop(block.data_ptr(), None)
 
     @classmethod
     def take(cls, nbytes: int) -> torch.Tensor | None:
@@ -199,24 +244,36 @@ class _Registered:
                 return None
         block = aligned_empty((nbytes,), torch.uint8)  # on a 2 MiB boundary, huge-page advice
         block.fill_(0)  # faulted in here, in huge pages where the kernel gives them
-        err = cls.register(block)
-        if err:
-            with cls._lock:
-                if cls._refused is None:
-                    cls._refused = f"CUDA error {err}"
-                    log.warning("cudaHostRegister of %d bytes of load staging failed (CUDA error %s): GPU loads "
-                                "stage in torch's pinned memory instead", nbytes, err)
-            return None
-        return block
+        why = cls.register(block)
+        with cls._lock:
+            if why is None:
+                cls._held[block.data_ptr()] = block
+                return block
+            if cls._refused is None:
+                cls._refused = why
+                log.warning("cudaHostRegister of %d bytes of load staging failed (%s): GPU loads stage in "
+                            "torch's pinned memory instead", nbytes, why)
+        return None
 
     @classmethod
     def give(cls, block: torch.Tensor) -> None:
-        """Back for the next load (its copies are done); beyond :data:`KEEP`, unregistered and freed."""
+        """Back for the next load (its copies are done). Beyond :data:`KEEP` free blocks, the
+        one given back longest ago is unregistered and freed (the latest size is the likelier
+        next)."""
         with cls._lock:
-            if len(cls._kept) < cls.KEEP:
-                cls._kept.append(block)
-                return
-        torch.cuda.cudart().cudaHostUnregister(block.data_ptr())
+            cls._kept.append(block)
+            extra = cls._kept[: -cls.KEEP] if len(cls._kept) > cls.KEEP else []
+            del cls._kept[: len(extra)]
+        for old in extra:
+            cls.unregister(old)
+
+    @classmethod
+    def clear(cls) -> None:
+        """Unregister and free every kept block."""
+        with cls._lock:
+            kept, cls._kept = cls._kept, []
+        for block in kept:
+            cls.unregister(block)
 
 
 class DeviceCopies:
@@ -259,14 +316,19 @@ class DeviceCopies:
 
     def finish(self) -> None:
         """Every copy done: the compute streams wait for the side streams, and so does this call."""
-        for device, side in self._sides.items():
-            torch.cuda.current_stream(device).wait_stream(side)
-            side.synchronize()
-        for events in self._events.values():
-            events.destroy()
-        self._events = {}
-        if self._registered is not None:  # no copy reads it any more
-            _Registered.give(self._registered)
+        done = False
+        try:
+            for device, side in self._sides.items():
+                torch.cuda.current_stream(device).wait_stream(side)
+                side.synchronize()
+            done = True
+            for events in self._events.values():
+                events.destroy()
+            self._events = {}
+        finally:
+            if self._registered is not None and done:  # no copy reads it any more
+                _Registered.give(self._registered)
+            # (not done: copies may still read it, so it stays registered and held, not reused)
             self._registered = None
 
 
