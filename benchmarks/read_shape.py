@@ -4,12 +4,12 @@
                                     [--staging pinned,registered] [--rounds 5] [--settle 0.5] [--dir DIR]
 
 The reader (:mod:`ftkit.checkpoint.io.reader`) reads a file in ``CHUNK``-byte requests,
-``DEPTH`` of them in flight. ``2x16`` (2 MiB, sixteen) is the default, chosen on a VM whose disk
+``DEPTH`` of them in flight. ``2x8`` (2 MiB, eight) is the default, chosen on a VM whose disk
 completes the reads in flight together; another disk (a cloud VM's virtio, an NVMe, a parallel
 filesystem) may stream better with larger requests. This script times, in one process, cold
 loads (``Checkpointer.load`` of the newest of two checkpoints, state files, the state on
-``--device``) with each shape ``CxD`` (C MiB, D in flight; the module constants set for the
-measurement only), rotating with the raw ``O_DIRECT`` read of the same file (one 16 MiB request at a
+``--device``) with each shape ``CxD`` (C MiB, D in flight, twice that of staging) or ``CxD:S``
+(S MiB of staging; the module constants set for the measurement only), rotating with the raw ``O_DIRECT`` read of the same file (one 16 MiB request at a
 time, or four 4 MiB ones in flight, as ``checkpoint_speed.py`` reads), each after ``sync``, dropping the
 page cache (root) and ``--settle`` seconds of pause. Prints each shape's median load and its
 ratio to the faster raw read's median.
@@ -41,19 +41,24 @@ import checkpoint_speed as cs  # the same model, raw read and preparation
 MIB = 1 << 20
 
 
-def parse_shape(text: str) -> tuple[int, int]:
-    """``"8x4"`` -> (8 MiB, 4 in flight)."""
-    chunk, _, depth = text.partition("x")
-    return int(chunk) * MIB, int(depth)
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """``"8x4"`` -> (8 MiB, 4 in flight, the reader's staging: twice that);
+    ``"8x4:64"`` -> the same with 64 MiB of staging."""
+    shape, _, staging = text.partition(":")
+    chunk, _, depth = shape.partition("x")
+    chunk_b, depth_n = int(chunk) * MIB, int(depth)
+    return chunk_b, depth_n, int(staging) * MIB if staging else 2 * chunk_b * depth_n
 
 
-def set_shape(chunk: int, depth: int) -> None:
-    """The reader's request size and depth, in every module that holds them (for a measurement)."""
+def set_shape(chunk: int, depth: int, staging: int | None = None) -> None:
+    """The reader's request size, depth and staging (default: twice what is in flight, as the
+    reader's own), in every module that holds them (for a measurement)."""
     from ftkit.checkpoint import dcp_reader
     from ftkit.checkpoint.io import reader, statefile
 
     for mod in (reader, statefile, dcp_reader):
         mod.CHUNK = chunk
+        mod.STAGING = staging or 2 * chunk * depth
     reader.DEPTH = depth
     reader.SUB = min(chunk, 2 * MIB)  # each part still in the CPU cache when placed
 
