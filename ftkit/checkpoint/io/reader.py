@@ -66,10 +66,12 @@ CHUNK = 2 << 20  # one request: whole blocks. Small enough that the reads in fli
 # the device to stream (the block layer splits requests at a few MiB anyway)
 DEPTH = 8  # requests in flight (16 MiB): a queue deep enough for an NVMe or virtio disk to stream
 STAGING = 32 << 20  # staging memory of a read (two of the pool's buffers): half in flight, half placed.
-# Smaller is faster where it stays in the CPU's last-level cache (probably why: the device's, or
-# a VM host's, writes land there and the checksum and copies read them): on the 2-CPU VM, cold
-# loads of 3 GB alternating in one process took 1.45 s with 32 MiB (8 in flight) against 1.74 s
-# with 64 MiB (16), the raw read 1.53 s; 1 GB 0.52 s against 0.59 s (medians of 10 and 8 rounds)
+# Less staging read faster on the 2-CPU VM (why is not established: caches that a smaller
+# footprint stays in, or the VM host's handling of guest memory): cold loads of 3 GB alternating
+# in one process took 1.45 s with 32 MiB (8 in flight) against 1.74 s with 64 MiB (16), the raw
+# read 1.53 s; 1 GB 0.52 s against 0.59 s (medians of 10 and 8 rounds; docs/benchmarks.md has
+# 16 MiB with 4 in flight too, faster still there, not taken: too few reads in flight for a
+# high-latency filesystem, and not yet measured on other machines)
 
 
 def _usable_cpus() -> int:
