@@ -26,9 +26,9 @@ SAVE_EVERY = 100
 TOTAL = 330
 
 
-def ftkit_cli(*args: str) -> subprocess.CompletedProcess:
+def ftkit_cli(*args: str, columns: int = 250) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ftkit", *args], capture_output=True, text=True, timeout=120,
-                          check=True, env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "250"})
+                          check=True, env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": str(columns)})
 
 
 def steps_log(jobdir: Path) -> list[tuple[int, int, float]]:
@@ -175,6 +175,25 @@ def test_report_on_a_previous_release_log_says_what_it_cannot_know(tmp_path: Pat
     assert any("GPUs per node unknown" in n for n in report["notes"])
     text = ftkit_cli("report", str(jobdir)).stdout
     assert "note: written before ftkit recorded timing facts" in text
+
+
+def test_report_in_a_narrow_terminal_cuts_nothing_short(tmp_path: Path) -> None:
+    """In an 80-column terminal the runs table does not fit: each run is then printed on a few
+    lines, every exit cause and time whole; a wide terminal gets the table, one line per run."""
+    jobdir = tmp_path / "old"
+    jobdir.mkdir()
+    shutil.copy(DATA / "previous-release-events.jsonl", jobdir / "events.jsonl")
+    report = json.loads(ftkit_cli("report", str(jobdir), "--json").stdout)
+    clock = [time.strftime("%m-%d %H:%M:%S", time.localtime(r["start"])) for r in report["runs"]]
+    narrow = ftkit_cli("report", str(jobdir), columns=80).stdout
+    assert "\u2026" not in narrow  # rich's ellipsis: nothing cut short
+    for r, start in zip(report["runs"], clock, strict=True):
+        assert f"run {r['run']}: exit {r['cause']}" in narrow
+        assert f"start {start}," in narrow
+        assert f"steps {r['steps']} (to {r['last_step']})" in narrow
+    wide = ftkit_cli("report", str(jobdir), columns=250).stdout
+    rows = [line for line in wide.splitlines() if "requeue: SIGUSR1 received" in line]
+    assert len(rows) == 1 and clock[1] in rows[0] and rows[0].startswith("\u2502 1 ")  # one table row
 
 
 def test_report_plot_draws_a_png(tmp_path: Path) -> None:

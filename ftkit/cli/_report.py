@@ -98,6 +98,40 @@ def _dur(seconds: float | None) -> str:
     return f"{seconds:.2f} s"
 
 
+def _run_cells(r: dict[str, Any]) -> dict[str, str]:
+    end = _clock(r["end"]) + ("" if r["end_known"] else " (last record)")
+    return {"run": str(r["run"]), "job / restart": f"{r['job_id'] or '-'} / {r['restart_count']}",
+            "nodes / ranks": f"{r['nodes'] or '?'} / {r['world_size']}", "start": _clock(r["start"]),
+            "first step": _clock(r["first_step"]), "end": end, "steps": f"{r['steps']} (to {r['last_step']})",
+            "exit": r["cause"], "resumed from": "fresh" if r["resumed_from"] is None else str(r["resumed_from"]),
+            "last durable": "-" if r["last_durable"] is None else str(r["last_durable"])}
+
+
+def _print_runs(console: Any, runs: list[dict[str, Any]]) -> None:
+    """The runs as a table where each run fits on one line of the terminal; else a few lines per
+    run, so that no exit cause or time is cut short or broken up (the table needs about 170
+    columns; squeezed into 80, rich would cut every cell to a few letters)."""
+    from rich.measure import Measurement
+    from rich.table import Table
+    from rich.text import Text
+
+    rows = [_run_cells(r) for r in runs]
+    table = Table(title="runs")
+    for name in rows[0] if rows else ():
+        table.add_column(name)
+    for row in rows:
+        table.add_row(*map(Text, row.values()))  # plain text: a cause is not rich markup
+    if not rows or Measurement.get(console, console.options.update_width(1 << 16), table).maximum <= console.width:
+        console.print(table)
+        return
+    console.print("[bold]runs[/]")
+    for row in rows:
+        console.print(f"run {row['run']}: exit {row['exit']}", markup=False)
+        for names in (("job / restart", "nodes / ranks"), ("start", "first step", "end"),
+                      ("steps", "resumed from", "last durable")):
+            console.print("  " + ", ".join(f"{name} {row[name]}" for name in names), markup=False)
+
+
 def _clock(t: float | None) -> str:
     return "?" if t is None else time.strftime("%m-%d %H:%M:%S", time.localtime(t))
 
@@ -119,16 +153,7 @@ def _report(args: argparse.Namespace) -> int:
     console = Console(soft_wrap=True)
     console.print(f"[bold]{report['jobdir']}[/]: {len(report['runs'])} run{'' if len(report['runs']) == 1 else 's'}, wall time {_dur(report['wall'])}"
                   f", between runs {_dur(report['between_runs'])}")
-    runs = Table("run", "job / restart", "nodes / ranks", "start", "first step", "end", "steps",
-                 "exit", "resumed from", "last durable", title="runs")
-    for r in report["runs"]:
-        end = _clock(r["end"]) + ("" if r["end_known"] else " (last record)")
-        runs.add_row(str(r["run"]), f"{r['job_id'] or '-'} / {r['restart_count']}",
-                     f"{r['nodes'] or '?'} / {r['world_size']}", _clock(r["start"]), _clock(r["first_step"]),
-                     end, f"{r['steps']} (to {r['last_step']})", r["cause"],
-                     "fresh" if r["resumed_from"] is None else str(r["resumed_from"]),
-                     "-" if r["last_durable"] is None else str(r["last_durable"]))
-    console.print(runs)
+    _print_runs(console, report["runs"])
     wall = report["wall"] or 1.0
     table = Table("where the time went", "time", "share", title="time of all runs")
     for key, label in _LABELS.items():
