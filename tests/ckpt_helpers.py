@@ -69,7 +69,8 @@ def collect(procs: list[subprocess.Popen], timeout: float) -> list[str]:
     return outs
 
 
-def build_state(seed: int = 0, rank: int = 0, world_size: int = 1, device: str = "cpu", tied: bool = False):
+def build_state(seed: int = 0, rank: int = 0, world_size: int = 1, device: str = "cpu", tied: bool = False,
+                hidden: int = 32):
     import torch
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
@@ -80,7 +81,8 @@ def build_state(seed: int = 0, rank: int = 0, world_size: int = 1, device: str =
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(96, 8, generator=g)
     y = x.sum(1, keepdim=True) + 0.1 * torch.randn(96, 1, generator=g)
-    model: nn.Module = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1)).to(device)
+    model: nn.Module = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Dropout(0.3),
+                                     nn.Linear(hidden, 1)).to(device)
     if tied:  # two layers that share one weight (as an output layer shares the embedding's)
         model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.ReLU(), nn.Linear(8, 8, bias=False),
                               nn.Linear(8, 1)).to(device)
@@ -190,6 +192,7 @@ def load_main(argv: list[str]) -> None:
     ``LOCAL_WORLD_SIZE=1``, ``LOCAL_RANK=0``), as on a job of one rank per node.
     ``--tied``: a model two of whose layers share one weight (``train`` takes it too); the
     line before the last says whether they still do (``tied True``).
+    ``--hidden N``: the model's hidden layer N wide (not the 32 it is saved with: a changed model).
     Before the last line, one line per DCP streaming reader: ``reader direct=... read=[...]``,
     and one per state file read into the live tensors: ``state file into live: direct=...
     undo=... keep=...``."""
@@ -215,6 +218,7 @@ def load_main(argv: list[str]) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--step", type=int)
     ap.add_argument("--tied", action="store_true")
+    ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--one-rank-per-host", action="store_true")
     a = ap.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -226,7 +230,7 @@ def load_main(argv: list[str]) -> None:
         def fail(self, plan, planner):
             raise RuntimeError(f"rank {rank}: the read failed on purpose")
         StreamingReader.read_data = fail  # type: ignore[method-assign]
-    state, _ = build_state(rank=rank, world_size=world, device=a.device, tied=a.tied)
+    state, _ = build_state(rank=rank, world_size=world, device=a.device, tied=a.tied, hidden=a.hidden)
     if rank == a.extra_key_on:
         import torch
 

@@ -657,8 +657,78 @@ def test_a_corrupt_newest_whose_older_one_does_not_fit_the_state_stops_the_load_
     mgr.save(2, {"ema": torch.nn.Linear(64, 32)})
     _flip(root / "step-00000002" / "rank-00000.pt", 0.5)
     with pytest.raises(CheckpointError, match=r"(?s)step-00000002 was found corrupt while it was read into the live state, "
-                                              r"and loading .*step-00000001 instead failed \(.*size mismatch"):
+                                              r"and loading .*step-00000001 instead failed \(.*rank-00000.pt does not fit the live "
+                                              r"state: state\['ema'\]: weight is \[16, 64\] in the checkpoint, "
+                                              r"\[32, 64\] in the module"):
         make_mgr(root).load({"ema": torch.nn.Linear(64, 32)})
+
+
+@pytest.mark.parametrize(("saved_by", "loaded_by", "steps"),
+                         [(1, 1, (4, 7)), (1, 1, (7,)), (1, 2, (4, 7)), (1, 2, (7,)), (2, 2, (4, 7)), (2, 1, (7,))])
+def test_a_model_that_changed_shape_is_refused_before_anything_is_loaded(tmp_path, trained, saved_by, loaded_by, steps):
+    """The model's hidden layer is 48 wide now, 32 in the checkpoints: the load fails on every
+    rank naming the newest checkpoint and the shapes, falls back to no older one (they do not
+    fit either, and loading one would hide the change), and leaves the state as it was built:
+    not one tensor of the checkpoint in it (``Module.load_state_dict`` alone copies every
+    tensor that fits before it raises; a state file is read straight into the live tensors)."""
+    from tests.ckpt_helpers import build_state
+
+    root = tmp_path / "ck"
+    trained(root, saved_by, *steps)
+    outs = run_ranks(["load", "--root", str(root), "--hidden", "48", "--out", str(tmp_path / "after")], loaded_by)
+    fresh, _ = build_state(hidden=48)
+    for rank, out in enumerate(outs):
+        said = out.strip().splitlines()[-1]
+        assert said.startswith("CheckpointError: ") and "step-00000007" in said and "Traceback" not in said, said
+        if saved_by == 1:  # ftkit's check: the file, each tensor, both shapes, what to do
+            assert re.search(r"step-00000007/rank-00000.pt does not fit the live state: state\['model'\]: "
+                             r"(module\.)?0.weight is \[32, 8\] in the checkpoint, \[48, 8\] in the module", said), said
+            assert "The model changed since this checkpoint was saved" in said, said
+        else:  # DCP's, before it reads
+            assert re.search(r"step-00000007/dcp: (rank 0: )?ValueError: Size mismatch", said), said
+        after = torch.load(tmp_path / f"after.rank{rank}", weights_only=True)
+        assert after["optimizer"]["state"] == {}
+        assert after["model"].keys() == fresh["model"].state_dict().keys()
+        for key, value in fresh["model"].state_dict().items():
+            assert torch.equal(after["model"][key], value), (rank, key)
+
+
+class _Reshaping(torch.nn.Module):
+    """A module that takes its weight in any shape of the same size (an older layout)."""
+
+    def __init__(self, *shape: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(shape))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = prefix + "weight"
+        if key in state_dict:
+            state_dict[key] = state_dict[key].reshape(self.weight.shape)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+@pytest.mark.parametrize("older", [True, False])
+def test_a_module_that_converts_a_saved_shape_itself_still_loads(tmp_path, older):
+    """The check for a changed model leaves alone a module with its own ``_load_from_state_dict``
+    or a model with a load pre-hook: it may take a saved tensor of another shape, and does.
+    ``older``: with an older checkpoint (read straight into the live tensors) or without."""
+    root = tmp_path / "ck"
+    mgr = make_mgr(root, keep_last=None)
+    flat = _Reshaping(32)  # saved as [32], loaded as [4, 8]
+    with torch.no_grad():
+        flat.weight.copy_(torch.arange(32.0))
+    for step in (1, 2) if older else (2,):
+        mgr.save(step, {"model": torch.nn.Sequential(flat), "linear": torch.nn.Sequential(flat)})
+    live = torch.nn.Sequential(_Reshaping(4, 8))
+    linear = torch.nn.Sequential(torch.nn.Linear(8, 4, bias=False))  # its "0.weight": [4, 8], saved [32]
+
+    def unflatten(module, state_dict, prefix, *args):
+        state_dict[prefix + "0.weight"] = state_dict[prefix + "0.weight"].reshape(4, 8)
+
+    linear._register_load_state_dict_pre_hook(unflatten, with_module=True)
+    assert make_mgr(root).load({"model": live, "linear": linear}) == 2
+    assert torch.equal(live[0].weight, torch.arange(32.0).reshape(4, 8))
+    assert torch.equal(linear[0].weight, torch.arange(32.0).reshape(4, 8))
 
 
 def test_a_corrupt_newest_read_into_optimizer_state_the_older_one_drops_falls_back(tmp_path):

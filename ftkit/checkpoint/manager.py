@@ -52,6 +52,7 @@ from .state.restore import (
     own_tensors,
     reachable_tensors,
     restore_state,
+    shape_mismatches,
 )
 from .state.snapshot import Snapshot, derive_rng, restore_rng, take_snapshot
 
@@ -62,6 +63,13 @@ log = logging.getLogger(__name__)
 # a rank's problem that fails the load on every rank (raised: a refusal to load it, a read that
 # failed not for the file's sake), not a broken file (skipped)
 _REFUSED = "\x00refused\x00"
+
+
+def _misfit(where: Path, misfits: list[str]) -> str:
+    more = f" and {len(misfits) - 3} more" if len(misfits) > 3 else ""
+    return (f"{where} does not fit the live state: {'; '.join(misfits[:3])}{more}. The model changed since "
+            "this checkpoint was saved: resume with the model it was saved from, or start the changed one "
+            "in a new job dir (or with checkpoint.resume='never'). Nothing of the checkpoint was loaded")
 
 
 def _local_ranks(world_size: int) -> int:
@@ -260,8 +268,17 @@ class Checkpointer(CheckpointManager):
             return None
         began = time.monotonic()  # the load event splits finding/validating from reading
         self.comm.check()
+        import torch
+
+        # DCP gives an optimizer without state zeros to load into before it reads (a requeued
+        # job's, before its first step): a load that fails takes them away again
+        fresh = [v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state]
         try:
             return self._load(state, step, began)
+        except BaseException:
+            for optimizer in fresh:
+                optimizer.state.clear()
+            raise
         finally:  # after the load: its cold reads of every step directory are off a resume's path
             self.commits.note_leftovers()
 
@@ -600,14 +617,20 @@ class Checkpointer(CheckpointManager):
 
                 if isinstance(exc, CheckpointError) or not isinstance(exc, (Exception, CheckpointException)):
                     raise  # KeyboardInterrupt, SystemExit
-                where = path / DCP_DIR if sharded else path / name
-                raise CheckpointError(f"could not load modules and optimizers from {where}: {exc}") from exc
+                from .dcp import failure_of
+
+                where, cause = path / DCP_DIR if sharded else path / name, failure_of(exc)
+                text = str(exc) if cause is exc else f"{type(cause).__name__}: {cause}"  # not DCP's traceback
+                raise CheckpointError(f"could not load modules and optimizers from {where}: {text}") from exc
             rest = {k: v for k, v in live.items() if k not in keys}  # the rest is per-rank state
             saved = {k: v for k, v in saved.items() if k not in keys}
         else:
             for key, value in live.items():  # a model saved inside DDP loads without it, and back
                 if isinstance(value, torch.nn.Module) and key in saved:
                     saved[key] = match_keys(saved[key], list(value.state_dict()), f"{path}: state[{key!r}]")
+            misfits = shape_mismatches(live, saved)  # nothing read into the live state (_targets)
+            if misfits:
+                raise CheckpointError(_misfit(path / name, misfits))
         # the payload's tensors are views of the read buffer: what a live object keeps is copied
         # (unless each was read into a live tensor or memory of its own: read_state_into)
         restore_state(rest, saved if payload.get("owned") else own_tensors(rest, saved))
@@ -699,6 +722,8 @@ class Checkpointer(CheckpointManager):
         for key, value in state.items():  # as _try_load: a model saved inside DDP, or back
             if isinstance(value, torch.nn.Module) and isinstance(saved.get(key), Mapping):
                 matched[key] = match_keys(saved[key], list(value.state_dict()), f"{path}: state[{key!r}]")
+        if shape_mismatches(state, matched):
+            return {}  # _restore_into refuses it after the read: the state stays as it was
         found: dict[int, Any] = {}
         for key in state:  # by key: a corrupt file's bytes must be overwritten where they went
             # a fresh optimizer's moments for a GPU's parameters: read there (restore.on_gpu)

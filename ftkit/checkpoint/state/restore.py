@@ -26,7 +26,7 @@ from torch.nn.parameter import is_lazy
 from .snapshot import is_stateful
 
 __all__ = ["SetAside", "clone_tensors", "live_targets", "on_gpu", "optimizer_homes", "own_tensors",
-           "reachable_tensors", "restore_state"]
+           "reachable_tensors", "restore_state", "shape_mismatches"]
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,39 @@ def live_targets(state: Mapping[str, Any], saved: Mapping[str, Any],
         if key in state:
             walk(state[key], value)
     return out
+
+
+def shape_mismatches(state: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
+    """The saved tensors of ``state``'s modules whose shape is not the live one's, as
+    ``state['model']: 0.weight is [32, 64] in the checkpoint, [48, 64] in the module``: a model
+    changed since the checkpoint was saved. ``Module.load_state_dict`` raises for each of them,
+    but only after copying every tensor that does fit; found first, before a byte reaches the
+    live state, the load can refuse the checkpoint and leave the state as it was.
+
+    Only a parameter or buffer of a module whose ``_load_from_state_dict`` is torch's own
+    (``torch.nn``'s modules, yours unless they override it): one that overrides it may convert
+    a saved tensor of another shape itself. Nothing of a model that overrides
+    ``load_state_dict`` or has a load pre-hook anywhere (it may reshape what it is given). Not
+    a lazy parameter (no shape before its first forward)."""
+    found: list[str] = []
+    for key, live in state.items():
+        if not isinstance(live, torch.nn.Module) or not isinstance(saved.get(key), Mapping):
+            continue
+        if type(live).load_state_dict is not torch.nn.Module.load_state_dict or any(
+                getattr(m, "_load_state_dict_pre_hooks", None) for m in live.modules()):
+            continue
+        theirs = saved[key]
+        for prefix, module in live.named_modules():
+            own = type(module)._load_from_state_dict
+            if own is not torch.nn.Module._load_from_state_dict and not own.__module__.startswith("torch.nn."):
+                continue
+            for name, tensor in (*module._parameters.items(), *module._buffers.items()):
+                other = theirs.get(f"{prefix}.{name}" if prefix else name)
+                if (isinstance(tensor, torch.Tensor) and isinstance(other, torch.Tensor) and not is_lazy(tensor)
+                        and tuple(other.shape) != tuple(tensor.shape)):
+                    found.append(f"state[{key!r}]: {prefix + '.' if prefix else ''}{name} is {list(other.shape)} "
+                                 f"in the checkpoint, {list(tensor.shape)} in the module")
+    return found
 
 
 def on_gpu(param: torch.Tensor) -> bool:
