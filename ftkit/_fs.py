@@ -51,7 +51,8 @@ def atomic_write(
     The temporary name is hidden (a dot) and does not end in the target's suffix (``*.json``
     globs skip it); every leftover of one target starts with ``.NAME.tmp-`` (the pid last),
     which is how a reader tells it from real content. On any failure the
-    temporary file is removed and the error raised; ``path`` is left as it was. ``sync=False``
+    temporary file is removed and the error raised (an ``OSError`` that names no file, as a
+    full disk's, raised again naming ``path``); ``path`` is left as it was. ``sync=False``
     skips both fsyncs (throwaway runs); ``sync_dir=False`` leaves the directory's fsync to a
     caller that changes more entries there first and then fsyncs them all at once. ``mode``
     (before the umask) is the new file's.
@@ -75,9 +76,12 @@ def atomic_write(
         if not go:
             os.unlink(tmp)
             return False
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.filename is None and exc.errno is not None:
+            # a write, flush or fsync names no file ("No space left on device"): name the target
+            raise OSError(exc.errno, exc.strerror, str(path)).with_traceback(exc.__traceback__) from None
         raise
     if sync and sync_dir:
         fsync_dir(path.parent)

@@ -15,12 +15,15 @@ from ftkit.checkpoint.io import files as _files
 
 def test_a_full_disk_leaves_the_old_file_and_no_temporary(small_fs):
     """ENOSPC halfway: the target keeps its old content, and no temporary file is left behind
-    (a job dir's requests/ or a step directory would otherwise collect them)."""
+    (a job dir's requests/ or a step directory would otherwise collect them). The error names
+    the file (a write's ENOSPC names none: a job started on a full disk said only "No space
+    left on device", from deep in the lease)."""
     target = small_fs / "runs.json"
     _fs.atomic_write(target, b"old\n")
     with pytest.raises(OSError) as err:
         _fs.atomic_write(target, b"x" * (4 << 20))  # twice the filesystem
     assert err.value.errno == errno.ENOSPC
+    assert err.value.filename == str(target) and str(target) in str(err.value)
     assert target.read_bytes() == b"old\n"
     assert sorted(os.listdir(small_fs)) == ["runs.json"]
 
