@@ -69,6 +69,25 @@ def collect(procs: list[subprocess.Popen], timeout: float) -> list[str]:
     return outs
 
 
+def assert_same_values(a, b, where: str = "state") -> None:
+    """``b`` holds exactly ``a``'s values: tensors of the same dtype, bit for bit, in dicts,
+    lists and tuples of the same keys and lengths; anything else equal."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where}: keys {sorted(map(str, a.keys() ^ b.keys()))}"
+        for k in a:
+            assert_same_values(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_values(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
 def build_state(seed: int = 0, rank: int = 0, world_size: int = 1, device: str = "cpu", tied: bool = False,
                 hidden: int = 32):
     import torch

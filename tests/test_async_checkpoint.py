@@ -380,28 +380,13 @@ def test_exact_resume_from_async_matches_sync(tmp_path, mode):
     assert validate_dir(path, checksums=True).valid
     a = torch.load(path / "rank-00000.pt", weights_only=True)
     b = torch.load(tmp_path / "sync" / f"step-{stop:08d}" / "rank-00000.pt", weights_only=True)
-    _assert_equal(a, b)  # the async checkpoint holds exactly what the synchronous one holds
+    from tests.ckpt_helpers import assert_same_values
+
+    assert_same_values(a, b, "file")  # the async checkpoint holds exactly what the synchronous one holds
     _run("--mode", "sync", "--root", str(tmp_path / "ck"), "--steps", str(steps), "--out", str(tmp_path / "resumed"))
     load = lambda p: torch.load(p, weights_only=True)  # noqa: E731
     _assert_same(load(tmp_path / "straight.rank0"), load(tmp_path / "first.rank0"),
                  load(tmp_path / "resumed.rank0"), steps, stop)
-
-
-def _assert_equal(a, b, where="file"):
-    import torch
-
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _assert_equal(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 def train_main(argv: list[str]) -> None:
