@@ -10,10 +10,10 @@ from ftkit.events import read_events
 from tests.ckpt_helpers import REPO, env, make_mgr, small_state
 
 
-def ftkit(*args: str) -> subprocess.CompletedProcess:
+def ftkit(*args: str, columns: int = 200) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "ftkit", *args],
-        env=env(COLUMNS="200"),
+        env=env(COLUMNS=str(columns)),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -49,6 +49,20 @@ def test_ls_json(tmp_path):
     )
     table = ftkit("ls", str(job))
     assert table.returncode == 0 and "incomplete" in table.stdout and "valid" in table.stdout
+
+
+def test_a_long_reason_is_shown_whole_in_a_narrow_terminal(tmp_path):
+    """An 80-column terminal: the "why" of ``ls``, ``verify`` and ``status`` (a switch's path
+    in a reason) folds onto more lines instead of being cut short with an ellipsis."""
+    job = tmp_path / "job"
+    switch = "/scratch/users/someone/projects/llm-pretrain/ftkit-jobs/run-2026-11-27/save-switch"
+    make_mgr(job / "checkpoints").save(5, small_state(5), reason=f"save-switch touched ({switch})")
+    for command in ("ls", "verify", "status"):
+        out = ftkit(command, str(job), columns=80).stdout
+        assert "\u2026" not in out, out  # rich's ellipsis
+        assert max(len(line) for line in out.splitlines() if "\u2502" in line) <= 80, out  # the table's rows
+        cells = "".join(ch for ch in out if ch not in " \n\u2502")  # the column's lines, joined back
+        assert f"save-switchtouched({switch})" in cells, out
 
 
 def test_verify_exit_codes(tmp_path):

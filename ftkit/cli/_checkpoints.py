@@ -76,8 +76,9 @@ def _table(infos, title: str) -> None:
     now = time.time()
     colour = {"valid": "green", "incomplete": "yellow", "corrupt": "red"}
     table = Table()
-    for col in ("step", "age", "size", "status", "pinned", "why"):
-        table.add_column(col, justify="right" if col in ("step", "size") else "left")
+    for col in ("step", "age", "size", "status", "pinned", "why"):  # a long path in "why" folds, whole
+        table.add_column(col, justify="right" if col in ("step", "size") else "left",
+                         overflow="fold" if col == "why" else "ellipsis")
     for i in infos:
         table.add_row(
             str(i.step),

@@ -175,7 +175,8 @@ def _status(args: argparse.Namespace) -> int:
 
         console.print(f"[bold red]{escape(describe(status['hang']))}[/]", highlight=False)
     if status["checkpoints"]:
-        table = Table("step", "age", "size", "status", "pinned", "why", title="checkpoints")
+        table = Table("step", "age", "size", "status", "pinned", title="checkpoints")
+        table.add_column("why", overflow="fold")  # a long path folds, whole
         for c in status["checkpoints"]:
             colour = {"valid": "green", "incomplete": "yellow"}.get(c["status"], "red")
             table.add_row(str(c["step"]), _age(c["time"], status["time"]), _human(c["size"]) if c["size"] else "-",
@@ -186,7 +187,8 @@ def _status(args: argparse.Namespace) -> int:
         console.print(f"no events yet: no ftkit job has started with this job dir ({escape(str(status['jobdir']))}"
                       "/events.jsonl is written when one does)", highlight=False)
         return 0
-    table = Table("time", "event", "rank", "step", "details", title="recent events")
+    table = Table("time", "event", "rank", "step", title="recent events")
+    table.add_column("details", overflow="fold")
     for e in status["events"]:
         step = e.get("step")
         table.add_row(time.strftime("%H:%M:%S", time.localtime(e["time"])), e["event"],
