@@ -1,0 +1,145 @@
+"""Does a GPU's DMA slow the disk's reads? The raw ``O_DIRECT`` read of one file, side by side
+with the same read while host-to-device copies run.
+
+    python benchmarks/read_beside_copies.py [--gb 2] [--rounds 3] [--dir /tmp]
+
+A cold load onto a GPU reads pieces into pinned staging while earlier pieces cross to the
+device (:mod:`ftkit.checkpoint.io.device`); on an H200 it ran at ~0.7 of the raw read where the
+same load into host memory ran at ~1.0. This tells one suspected cause apart: the disk's reads
+completing slower while the GPU reads host memory. In one process, rotating, each read after
+``sync`` and dropping the page cache (root), it times the raw read (``checkpoint_speed.py``'s
+one 16 MiB request at a time) of a ``--gb`` file into:
+
+* ``huge pages``: page-aligned memory in transparent huge pages (the raw read's reference);
+* ``pinned``: a buffer from torch's pinned allocator (without CUDA, ``4 KiB pages``: the same
+  allocation, not pinned);
+* ``pinned, copies flat out`` (CUDA): the same while another thread copies 64 MiB from other
+  pinned memory to the GPU again and again (its rate is printed first);
+* ``pinned, copies ~3 GB/s`` (CUDA): the same with a 2 MiB copy every 0.7 ms, about what a
+  load at the disk's speed queues;
+* ``pinned, read then copy`` (CUDA): each 16 MiB read copied to the GPU before the next read
+  (the simplest loader, no overlap).
+
+Prints each one's median throughput and its ratio to ``huge pages``. Without CUDA, only the
+first two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import checkpoint_speed as cs  # the same raw read, cache dropping, huge-page buffer
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gb", type=float, default=2.0, help="size of the file read")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--settle", type=float, default=0.2, help="seconds of pause after dropping the cache")
+    ap.add_argument("--dir", default=None, help="where the file is written (default: the temp dir)")
+    args = ap.parse_args()
+
+    cuda = torch.cuda.is_available()
+    chunk = cs._READ_CHUNK
+    work = Path(tempfile.mkdtemp(prefix="ftkit-beside-", dir=args.dir))
+    path = work / "data.bin"
+    block = os.urandom(chunk)
+    pieces = max(1, round(args.gb * 1e9 / chunk))
+    with open(path, "wb") as f:
+        for _ in range(pieces):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    size = pieces * chunk
+
+    huge = cs._huge_copy(memoryview(bytes(chunk)))
+    pinned_block = torch.empty(chunk + 4096, dtype=torch.uint8, pin_memory=cuda)  # page-aligned view of it
+    start = -pinned_block.data_ptr() % 4096
+    staging = pinned_block[start : start + chunk]
+    pinned = staging.numpy().data.cast("B")
+
+    kinds = {"huge pages": lambda: cs._raw_read([path], huge),
+             "pinned" if cuda else "4 KiB pages": lambda: cs._raw_read([path], pinned)}
+    if cuda:
+        gpu = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        source = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
+        side = torch.cuda.Stream()
+        stop = threading.Event()
+
+        def copies(paced: bool) -> None:
+            with torch.cuda.stream(side):
+                while not stop.is_set():
+                    if paced:
+                        gpu[: 2 << 20].copy_(source[: 2 << 20], non_blocking=True)
+                        side.synchronize()
+                        time.sleep(0.0007)
+                    else:
+                        gpu.copy_(source, non_blocking=True)
+                        side.synchronize()
+
+        def beside(paced: bool) -> float:
+            stop.clear()
+            thread = threading.Thread(target=copies, args=(paced,), daemon=True)
+            thread.start()
+            time.sleep(0.05)  # the copies are running before the read starts
+            try:
+                return cs._raw_read([path], pinned)
+            finally:
+                stop.set()
+                thread.join()
+
+        def read_then_copy() -> float:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            t = time.perf_counter()
+            try:
+                with torch.cuda.stream(side):
+                    for off in range(0, size, chunk):
+                        os.preadv(fd, [pinned], off)
+                        gpu[:chunk].copy_(staging, non_blocking=True)
+                        side.synchronize()
+            finally:
+                os.close(fd)
+            return time.perf_counter() - t
+
+        kinds |= {"pinned, copies flat out": lambda: beside(False), "pinned, copies ~3 GB/s": lambda: beside(True),
+                  "pinned, read then copy": read_then_copy}
+        t, n = time.perf_counter(), 0
+        with torch.cuda.stream(side):
+            while time.perf_counter() - t < 0.5:
+                gpu.copy_(source, non_blocking=True)
+                side.synchronize()
+                n += 1
+        print(f"host-to-device copies flat out: {n * gpu.numel() / (time.perf_counter() - t) / 1e9:.1f} GB/s")
+
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    names = list(kinds)
+    for i in range(args.rounds):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            cs._settle(args.settle)
+            times[name].append(kinds[name]())
+    base = statistics.median(times["huge pages"])
+    dev = torch.cuda.get_device_name() if cuda else "no GPU"
+    print(f"read_beside_copies: {size / 1e9:.2f} GB file in {work.parent}, {dev}, {args.rounds} rounds, "
+          f"one 16 MiB O_DIRECT read at a time")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"  {name:24s} {size / med / 1e6:6.0f} MB/s  ({' '.join(f'{t:.3f}' for t in ts)})  "
+              f"{base / med:.2f} of huge pages")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
