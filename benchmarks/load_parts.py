@@ -15,6 +15,12 @@ and ``Checkpointer.load`` of it into:
 * ``cpu``: the state in host memory (in a process that uses CUDA, staged in torch's pinned
   memory, as ftkit does there); ``cpu hugepages``: the same staged in huge pages, as in a
   process without CUDA; ``cpu 2x4``: 2 MiB reads, four in flight;
+* ``cpu emulated``: the state in host memory, each piece's bytes given to a stand-in for a GPU
+  load's copies (no CUDA needed): queued to one "copy engine" thread that takes as long as a
+  50 GB/s DMA would and copies nothing (the live tensors from 1 MiB keep their values), with a fence per
+  copy that the reader waits for before reusing a staging buffer (huge pages), as
+  :mod:`ftkit.checkpoint.io.device` does. Beside ``gpu``, it tells the cost of CUDA's calls and
+  copies from that of the pipeline's structure;
 * ``gpu``: the state on the GPU (the default: pinned staging, four placing threads);
   ``gpu w1``, ``gpu w2``: one or two placing threads; ``gpu 2x4``: four reads in flight;
   ``gpu registered``: staging in huge pages registered with CUDA; ``gpu lean``: each copy
@@ -26,20 +32,23 @@ average), ``submit``, ``crc`` (CRC-32, summed over the placing threads), ``write
 the host-to-device copies, summed), ``fence`` (waiting for a staging buffer's copies before it
 is read into again) and ``finish`` (waiting for the last copies). Prints each kind's median
 load, its ratio to the faster raw read and the medians of its parts. Without CUDA, only the
-raw reads and ``cpu``.
+raw reads, ``cpu`` and ``cpu emulated``.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
+import queue
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +64,8 @@ from ftkit.checkpoint import CheckpointConfig, make_manager
 from ftkit.checkpoint.io import device as _device
 from ftkit.checkpoint.io import reader as _reader
 from ftkit.checkpoint.io import reads as _reads
+from ftkit.checkpoint.io import statefile as _statefile
+from ftkit.checkpoint.io.direct import aligned_empty
 
 PARTS: collections.defaultdict[str, float] = collections.defaultdict(float)  # the load being timed
 
@@ -90,6 +101,8 @@ def _instrument() -> dict[str, Any]:
     _reader.crc32 = _timed("crc", _reader.crc32)
     _device._RawEvent.wait = _timed("fence", _device._RawEvent.wait)
     _device.DeviceCopies.finish = _timed("finish", _device.DeviceCopies.finish)
+    _EmulatedFence.wait = _timed("fence", _EmulatedFence.wait)
+    _Emulated.finish = _timed("finish", _Emulated.finish)
     write = _device.DeviceTensor.write
     switches = {"lean": False}
 
@@ -100,6 +113,74 @@ def _instrument() -> dict[str, Any]:
 
     _device.DeviceTensor.write = _timed("write", maybe_lean_write)
     return switches
+
+
+class _Emulated:
+    """A stand-in for a load's :class:`ftkit.checkpoint.io.device.DeviceCopies`: staging in huge
+    pages, and each copy queued to one thread (a copy engine) that takes as long as a DMA at
+    ``rate`` bytes/s would, copies nothing, then passes the copy's fence."""
+
+    def __init__(self, *, chunk: int, count: int, rate: float = 50e9) -> None:
+        self._chunk, self._count, self._rate = chunk, count, rate
+        self._block = aligned_empty((chunk * count,), torch.uint8)
+        self._block.fill_(0)
+        self._queue: queue.SimpleQueue[tuple[int, threading.Event]] = queue.SimpleQueue()
+        self._engine = threading.Thread(target=self._run, name="emulated-copy-engine", daemon=True)
+        self._engine.start()
+
+    def _run(self) -> None:
+        busy_until = time.perf_counter()
+        while True:
+            n, done = self._queue.get()
+            if n < 0:
+                done.set()
+                return
+            busy_until = max(busy_until, time.perf_counter()) + n / self._rate
+            pause = busy_until - time.perf_counter()
+            if pause > 1e-4:  # sleeping for less overshoots by more than the copy takes
+                time.sleep(pause)
+            done.set()
+
+    def stages(self) -> list[memoryview]:
+        whole = self._block.numpy().data.cast("B")
+        return [whole[i * self._chunk : (i + 1) * self._chunk] for i in range(self._count)]
+
+    def target(self, tensor: torch.Tensor) -> _EmulatedTensor:
+        return _EmulatedTensor(self)
+
+    def finish(self) -> None:
+        done = threading.Event()
+        self._queue.put((-1, done))
+        done.wait()
+
+
+class _EmulatedTensor:
+    def __init__(self, copies: _Emulated) -> None:
+        self._copies = copies
+
+    def write(self, at: int, src: int, n: int) -> _EmulatedFence:
+        done = threading.Event()
+        self._copies._queue.put((n, done))
+        return _EmulatedFence(done)
+
+
+class _EmulatedFence:
+    __slots__ = ("_done",)
+
+    def __init__(self, done: threading.Event) -> None:
+        self._done = done
+
+    def wait(self) -> None:
+        self._done.wait()
+
+
+@contextlib.contextmanager
+def _emulated_copies(*, chunk: int, count: int) -> Iterator[_Emulated]:
+    copies = _Emulated(chunk=chunk, count=count)
+    try:
+        yield copies
+    finally:
+        copies.finish()
 
 
 def main() -> int:
@@ -133,12 +214,20 @@ def main() -> int:
     switches = _instrument()
     default = (_reader.CHUNK, _reader.DEPTH, _reader.STAGING)
     workers, wanted = _reader.WORKERS, _device.wanted
+    load_copies, destination = _statefile.load_copies, _statefile.destination
+
+    def emulated_destination(t: torch.Tensor, copies: Any) -> Any:
+        if isinstance(copies, _Emulated) and t.numel() * t.element_size() >= 1 << 20:
+            return copies.target(t)
+        return destination(t, copies)  # small ones (an RNG state) get their bytes
 
     def load(state: dict[str, Any], shape: str | None = None, placers: int | None = None,
-             staging: str = "pinned", lean: bool = False, huge: bool = False) -> float:
+             staging: str = "pinned", lean: bool = False, huge: bool = False, emulated: bool = False) -> float:
         switches["lean"] = lean
         if huge:  # staged as in a process without CUDA
             _device.wanted = lambda: False
+        if emulated:
+            _statefile.load_copies, _statefile.destination = _emulated_copies, emulated_destination
         set_shape(*(parse_shape(shape) if shape else default))
         _reader.WORKERS = placers or workers
         _device.STAGING = staging
@@ -150,10 +239,11 @@ def main() -> int:
         finally:
             set_shape(*default)
             _reader.WORKERS, _device.STAGING, _device.wanted = workers, "pinned", wanted
+            _statefile.load_copies, _statefile.destination = load_copies, destination
 
     kinds: dict[str, Callable[[], float]] = {
         "raw1": lambda: cs._raw_read(files, buf), "raw4": lambda: cs._raw_read(files, buf, depth=4),
-        "cpu": lambda: load(host)}
+        "cpu": lambda: load(host), "cpu emulated": lambda: load(host, emulated=True)}
     if cuda:
         kinds |= {"cpu hugepages": lambda: load(host, huge=True), "cpu 2x4": lambda: load(host, "2x4"),
                   "gpu": lambda: load(live), "gpu w1": lambda: load(live, placers=1),
