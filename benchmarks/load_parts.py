@@ -17,10 +17,12 @@ and ``Checkpointer.load`` of it into:
   process without CUDA; ``cpu 2x4``: 2 MiB reads, four in flight;
 * ``cpu emulated``: the state in host memory, each piece's bytes given to a stand-in for a GPU
   load's copies (no CUDA needed): queued to one "copy engine" thread that takes as long as a
-  50 GB/s DMA would and copies nothing (the live tensors from 1 MiB keep their values), with a fence per
-  copy that the reader waits for before reusing a staging buffer (huge pages), as
-  :mod:`ftkit.checkpoint.io.device` does. Beside ``gpu``, it tells the cost of CUDA's calls and
-  copies from that of the pipeline's structure;
+  50 GB/s DMA would and copies nothing (the live tensors from 1 MiB keep their values), with a
+  fence per copy that the reader waits for before reusing a staging buffer (huge pages), as
+  :mod:`ftkit.checkpoint.io.device` does; ``cpu emulated pinned`` (CUDA): the same staged in
+  torch's pinned memory. Beside ``gpu`` (and ``gpu registered`` beside ``cpu emulated``: both
+  stage in huge pages), it tells the cost of CUDA's calls and copies from that of the
+  pipeline's structure and the staging's pages;
 * ``gpu``: the state on the GPU (the default: pinned staging, four placing threads);
   ``gpu w1``, ``gpu w2``: one or two placing threads; ``gpu 2x4``: four reads in flight;
   ``gpu registered``: staging in huge pages registered with CUDA; ``gpu lean``: each copy
@@ -30,7 +32,8 @@ Each load's parts are timed by wrapping ftkit's functions for the measurement: `
 (the reading thread waiting for reads to complete, and ``depth``: the reads in flight then, on
 average), ``submit``, ``crc`` (CRC-32, summed over the placing threads), ``write`` (queuing
 the host-to-device copies, summed), ``fence`` (waiting for a staging buffer's copies before it
-is read into again) and ``finish`` (waiting for the last copies). Prints each kind's median
+is read into again, and for the last pieces' copies at the end of the read) and ``finish``
+(what is left then). Prints each kind's median
 load, its ratio to the faster raw read and the medians of its parts. Without CUDA, only the
 raw reads, ``cpu`` and ``cpu emulated``.
 """
@@ -68,6 +71,12 @@ from ftkit.checkpoint.io import statefile as _statefile
 from ftkit.checkpoint.io.direct import aligned_empty
 
 PARTS: collections.defaultdict[str, float] = collections.defaultdict(float)  # the load being timed
+_PARTS_LOCK = threading.Lock()  # several placing threads add to the same part
+
+
+def _add(key: str, value: float) -> None:
+    with _PARTS_LOCK:
+        PARTS[key] += value
 
 
 def _timed(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -76,7 +85,7 @@ def _timed(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         finally:
-            PARTS[key] += time.perf_counter() - t
+            _add(key, time.perf_counter() - t)
 
     return wrapped
 
@@ -88,21 +97,22 @@ def _instrument() -> dict[str, Any]:
     def timed_take_any(self: _reads.Reads, *, block: bool = True) -> list[tuple[int, int]]:
         if not block:
             return take_any(self, block=False)
-        PARTS["waits"] += 1
-        PARTS["in flight"] += self.in_flight
+        _add("waits", 1)
+        _add("in flight", self.in_flight)
         t = time.perf_counter()
         try:
             return take_any(self, block=True)
         finally:
-            PARTS["take_any"] += time.perf_counter() - t
+            _add("take_any", time.perf_counter() - t)
 
     _reads.Reads.take_any = timed_take_any
     _reads.Reads.submit = _timed("submit", _reads.Reads.submit)
     _reader.crc32 = _timed("crc", _reader.crc32)
-    _device._RawEvent.wait = _timed("fence", _device._RawEvent.wait)
+    for fence in (_device._RawEvent, _device._EventFence, _EmulatedFence):
+        fence.wait = _timed("fence", fence.wait)
     _device.DeviceCopies.finish = _timed("finish", _device.DeviceCopies.finish)
-    _EmulatedFence.wait = _timed("fence", _EmulatedFence.wait)
     _Emulated.finish = _timed("finish", _Emulated.finish)
+    _EmulatedTensor.write = _timed("write", _EmulatedTensor.write)
     write = _device.DeviceTensor.write
     switches = {"lean": False}
 
@@ -117,27 +127,30 @@ def _instrument() -> dict[str, Any]:
 
 class _Emulated:
     """A stand-in for a load's :class:`ftkit.checkpoint.io.device.DeviceCopies`: staging in huge
-    pages, and each copy queued to one thread (a copy engine) that takes as long as a DMA at
-    ``rate`` bytes/s would, copies nothing, then passes the copy's fence."""
+    pages (``pinned``: from torch's pinned allocator, as a GPU load's), and each copy queued to
+    one thread (a copy engine) that takes as long as a DMA at ``rate`` bytes/s would from when it
+    was queued, copies nothing, then passes the copy's fence. Made once and reused by every load
+    (as the reader's pool and torch's pinned blocks are), outside the timed loads."""
 
-    def __init__(self, *, chunk: int, count: int, rate: float = 50e9) -> None:
+    def __init__(self, *, chunk: int, count: int, pinned: bool = False, rate: float = 50e9) -> None:
         self._chunk, self._count, self._rate = chunk, count, rate
-        self._block = aligned_empty((chunk * count,), torch.uint8)
-        self._block.fill_(0)
-        self._queue: queue.SimpleQueue[tuple[int, threading.Event]] = queue.SimpleQueue()
-        self._engine = threading.Thread(target=self._run, name="emulated-copy-engine", daemon=True)
-        self._engine.start()
+        if pinned:
+            block = torch.empty(chunk * count + 4096, dtype=torch.uint8, pin_memory=True)
+            start = -block.data_ptr() % 4096
+            self._keep, self._block = block, block[start : start + chunk * count]
+        else:
+            self._keep = self._block = aligned_empty((chunk * count,), torch.uint8)
+            self._block.fill_(0)
+        self._queue: queue.SimpleQueue[tuple[int, float, threading.Event]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="emulated-copy-engine", daemon=True).start()
 
     def _run(self) -> None:
-        busy_until = time.perf_counter()
+        busy_until = 0.0
         while True:
-            n, done = self._queue.get()
-            if n < 0:
-                done.set()
-                return
-            busy_until = max(busy_until, time.perf_counter()) + n / self._rate
+            n, queued, done = self._queue.get()
+            busy_until = max(busy_until, queued) + n / self._rate  # as a DMA engine: in order, from when queued
             pause = busy_until - time.perf_counter()
-            if pause > 1e-4:  # sleeping for less overshoots by more than the copy takes
+            if pause > 0:
                 time.sleep(pause)
             done.set()
 
@@ -149,8 +162,9 @@ class _Emulated:
         return _EmulatedTensor(self)
 
     def finish(self) -> None:
+        """Every copy queued so far done."""
         done = threading.Event()
-        self._queue.put((-1, done))
+        self._queue.put((0, time.perf_counter(), done))
         done.wait()
 
 
@@ -160,7 +174,7 @@ class _EmulatedTensor:
 
     def write(self, at: int, src: int, n: int) -> _EmulatedFence:
         done = threading.Event()
-        self._copies._queue.put((n, done))
+        self._copies._queue.put((n, time.perf_counter(), done))
         return _EmulatedFence(done)
 
 
@@ -172,15 +186,6 @@ class _EmulatedFence:
 
     def wait(self) -> None:
         self._done.wait()
-
-
-@contextlib.contextmanager
-def _emulated_copies(*, chunk: int, count: int) -> Iterator[_Emulated]:
-    copies = _Emulated(chunk=chunk, count=count)
-    try:
-        yield copies
-    finally:
-        copies.finish()
 
 
 def main() -> int:
@@ -213,8 +218,20 @@ def main() -> int:
 
     switches = _instrument()
     default = (_reader.CHUNK, _reader.DEPTH, _reader.STAGING)
-    workers, wanted = _reader.WORKERS, _device.wanted
+    workers, wanted, staging0 = _reader.WORKERS, _device.wanted, _device.STAGING
     load_copies, destination = _statefile.load_copies, _statefile.destination
+    emulators: dict[tuple[int, int, bool], _Emulated] = {}  # made before the timed loads, reused
+
+    def emulated_copies(pinned: bool) -> Callable[..., Any]:
+        @contextlib.contextmanager
+        def copies(*, chunk: int, count: int) -> Iterator[_Emulated]:
+            emulated = emulators[(chunk, count, pinned)]
+            try:
+                yield emulated
+            finally:
+                emulated.finish()
+
+        return copies
 
     def emulated_destination(t: torch.Tensor, copies: Any) -> Any:
         if isinstance(copies, _Emulated) and t.numel() * t.element_size() >= 1 << 20:
@@ -222,30 +239,36 @@ def main() -> int:
         return destination(t, copies)  # small ones (an RNG state) get their bytes
 
     def load(state: dict[str, Any], shape: str | None = None, placers: int | None = None,
-             staging: str = "pinned", lean: bool = False, huge: bool = False, emulated: bool = False) -> float:
-        switches["lean"] = lean
-        if huge:  # staged as in a process without CUDA
-            _device.wanted = lambda: False
-        if emulated:
-            _statefile.load_copies, _statefile.destination = _emulated_copies, emulated_destination
-        set_shape(*(parse_shape(shape) if shape else default))
-        _reader.WORKERS = placers or workers
-        _device.STAGING = staging
+             staging: str = "pinned", lean: bool = False, huge: bool = False,
+             emulated: str | None = None) -> float:
         try:
+            switches["lean"] = lean
+            if huge:  # staged as in a process without CUDA
+                _device.wanted = lambda: False
+            set_shape(*(parse_shape(shape) if shape else default))
+            if emulated is not None:
+                key = (_reader.CHUNK, _reader.STAGING // _reader.CHUNK, emulated == "pinned")
+                if key not in emulators:
+                    emulators[key] = _Emulated(chunk=key[0], count=key[1], pinned=key[2])
+                _statefile.load_copies = emulated_copies(emulated == "pinned")
+                _statefile.destination = emulated_destination
+            _reader.WORKERS = placers or workers
+            _device.STAGING = staging
             t = time.perf_counter()
             assert make_manager(cfg).load(state) == 2
             cs._sync()
             return time.perf_counter() - t
         finally:
             set_shape(*default)
-            _reader.WORKERS, _device.STAGING, _device.wanted = workers, "pinned", wanted
+            _reader.WORKERS, _device.STAGING, _device.wanted = workers, staging0, wanted
             _statefile.load_copies, _statefile.destination = load_copies, destination
 
     kinds: dict[str, Callable[[], float]] = {
         "raw1": lambda: cs._raw_read(files, buf), "raw4": lambda: cs._raw_read(files, buf, depth=4),
-        "cpu": lambda: load(host), "cpu emulated": lambda: load(host, emulated=True)}
+        "cpu": lambda: load(host), "cpu emulated": lambda: load(host, emulated="huge")}
     if cuda:
         kinds |= {"cpu hugepages": lambda: load(host, huge=True), "cpu 2x4": lambda: load(host, "2x4"),
+                  "cpu emulated pinned": lambda: load(host, emulated="pinned"),
                   "gpu": lambda: load(live), "gpu w1": lambda: load(live, placers=1),
                   "gpu w2": lambda: load(live, placers=2), "gpu 2x4": lambda: load(live, "2x4"),
                   "gpu registered": lambda: load(live, staging="registered"),
@@ -276,6 +299,10 @@ def main() -> int:
     dev = torch.cuda.get_device_name() if cuda else "no GPU"
     print(f"load_parts: {size / 1e9:.2f} GB of state files, {dev}, {args.rounds} cold rounds each, "
           f"{os.cpu_count()} CPUs, {workers} placing threads; raw read {size / raw / 1e6:.0f} MB/s")
+    if cuda and _device._Runtime.get() is None:
+        print("  the CUDA runtime library was not found: copies went through Tensor.copy_ ('gpu lean' is 'gpu')")
+    if _device._Registered._refused:
+        print(f"  registered staging was refused ({_device._Registered._refused}): those loads staged in pinned memory")
     for name in kinds:
         med = statistics.median(times[name])
         detail = "  ".join(f"{key} {statistics.median(v):.3f}" for key, v in sorted(parts[name].items())
