@@ -28,14 +28,15 @@ and ``Checkpointer.load`` of it into:
   ``gpu registered``: staging in huge pages registered with CUDA; ``gpu lean``: each copy
   queued without asking the CUDA runtime for the thread's current device first (one GPU).
 
-Each load's parts are timed by wrapping ftkit's functions for the measurement: ``take_any``
-(the reading thread waiting for reads to complete, and ``depth``: the reads in flight then, on
-average), ``submit``, ``crc`` (CRC-32, summed over the placing threads), ``write`` (queuing
-the host-to-device copies, summed), ``fence`` (waiting for a staging buffer's copies before it
-is read into again, and for the last pieces' copies at the end of the read) and ``finish``
-(what is left then). Prints each kind's median
-load, its ratio to the faster raw read and the medians of its parts. Without CUDA, only the
-raw reads, ``cpu`` and ``cpu emulated``.
+Each load's parts are timed by wrapping ftkit's functions for the measurement: ``read`` (the
+state file's read, from open to its CRC-32 checked and its copies done; the rest of the load
+is finding, checking and restoring around it), ``take_any`` (the reading thread waiting for
+reads to complete, and ``depth``: the reads in flight then, on average), ``submit``, ``crc``
+(CRC-32, summed over the placing threads), ``write`` (queuing the host-to-device copies,
+summed), ``fence`` (waiting for a staging buffer's copies before it is read into again, and for
+the last pieces' copies at the end of the read) and ``finish`` (what is left then). Prints each
+kind's median load, its ratio to the faster raw read and the medians of its parts. Without
+CUDA, only the raw reads, ``cpu`` and ``cpu emulated``.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def _instrument() -> dict[str, Any]:
             _add("take_any", time.perf_counter() - t)
 
     _reads.Reads.take_any = timed_take_any
+    _statefile.scatter_file = _timed("read", _statefile.scatter_file)  # the file's one read, start to end
     _reads.Reads.submit = _timed("submit", _reads.Reads.submit)
     _reader.crc32 = _timed("crc", _reader.crc32)
     for fence in (_device._RawEvent, _device._EventFence, _EmulatedFence):
