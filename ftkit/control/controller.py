@@ -408,6 +408,10 @@ class FaultTolerance:
         if decision.save and self._last_saved_step != first:
             self.save(first, decision=decision)
         elif decision.save:  # the checkpoint just resumed from is this step: it answers the request
+            if decision.pin:  # a save-switch asks for it to be kept: pin the one that answers
+                pin = getattr(self.checkpoints, "pin", None)
+                if pin is not None:
+                    pin(first)
             self._consume(decision)
         if decision.exit:
             return
@@ -415,9 +419,9 @@ class FaultTolerance:
             yield s
             if self.step(s + 1).exit:
                 return
-        self.completed = True
         if self.config.save_at_end and not self._no_save_at_start and self._last_saved_step != total:
-            self.save(total, reason="end of training")
+            self.save(total, reason="end of training")  # raises if it fails: the run did not complete
+        self.completed = True
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -468,25 +472,27 @@ class FaultTolerance:
         """Write a checkpoint of ``state`` at ``step`` through the manager; time it for the budget.
 
         A failed periodic save logs a warning and training goes on; a failed save on the way
-        out raises, so the process exits non-zero and the requeue policy sees a crash.
+        out (an exit's, or the end of training's) raises, so the process exits non-zero and the
+        requeue policy sees a crash: the steps since the last checkpoint are not lost unseen.
         """
         why = reason or ("; ".join(decision.reasons) if decision else f"periodic (every {self.config.save_every} steps)")
         pin = bool(decision and decision.pin)
+        last = (decision is not None and decision.exit) or reason == "end of training"
         began = self._clock()
         self.watchdog.begin_save()
         try:
             info = self.checkpoints.save(step, self._require_state(), pin=pin, reason=why)
-            if self._background and decision is not None and decision.exit:
+            if self._background and last:
                 self.checkpoints.wait()  # leave only once the checkpoint is durable
         except CheckpointError as exc:
             self.watchdog.end_save()
             self.events.emit("save-failed", step=step, reason=why, error=str(exc))
-            if decision is not None and decision.exit:
+            if last:
                 raise
             log.warning("checkpoint at step %d failed, training continues: %s", step, exc)
             return None
         stall = self._clock() - began
-        exiting = bool(decision is not None and decision.exit) or reason == "end of training"
+        exiting = last
         seconds = stall
         if self._background:  # the budget needs the time until durable, not the stall
             seconds = max(stall, self.checkpoints.last_persist_seconds or 0.0)
