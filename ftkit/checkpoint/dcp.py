@@ -21,6 +21,8 @@ bytes reached the disk intact; the fsync of DCP's writer (``sync_files=True``) c
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -153,15 +155,13 @@ def load_sharded(
     """
     options = StateDictOptions()
     target = live_state_dicts(state, keys, options)
+    reader = reader if reader is not None else dcp.FileSystemReader(directory / DCP_DIR)
     failed: BaseException | None = None
     try:
+        _without_unsaved_moments(state, target, reader)
         with warnings.catch_warnings():  # no_dist is what we mean, not a fallback to warn about
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            dcp.load(
-                target,
-                storage_reader=reader if reader is not None else dcp.FileSystemReader(directory / DCP_DIR),
-                no_dist=True,
-            )
+            dcp.load(target, storage_reader=reader, no_dist=True)
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if agree is None or isinstance(failure_of(exc), (KeyboardInterrupt, SystemExit)):
             raise
@@ -183,13 +183,38 @@ def failure_of(exc: BaseException) -> BaseException:
     return exc
 
 
+def _without_unsaved_moments(state: Mapping[str, Any], target: dict[str, Any], reader: dcp.StorageReader) -> None:
+    """Take out of an optimizer's load target the parameters the checkpoint has no moments for.
+
+    ``get_optimizer_state_dict`` gives a fresh optimizer zero moments for every parameter that
+    needs a gradient, and DCP then wants each of them from the checkpoint. A parameter that
+    had no gradient before the save (a head not used yet, a layer frozen then) has none there,
+    and the same script could not resume. Left out, such a parameter has no moments after the
+    load, as before the save (its optimizer makes them at its first gradient): what a
+    one-process checkpoint gives. A parameter with only some of its moments saved (another
+    optimizer) stays in, and the load fails naming them."""
+    optimizers = [key for key, sd in target.items()
+                  if not isinstance(state[key], torch.nn.Module) and isinstance(sd, dict)
+                  and isinstance(sd.get("state"), dict) and sd["state"]]
+    if not optimizers:
+        return
+    saved = {fqn.rsplit(".", 1)[0] for fqn in reader.read_metadata().state_dict_metadata}
+    for key in optimizers:
+        moments = target[key]["state"]
+        for name in [n for n in moments if f"{key}.state.{n}" not in saved]:
+            del moments[name]
+
+
 def _set(state: Mapping[str, Any], keys: frozenset[str], sds: dict[str, Any], options: StateDictOptions) -> None:
     for key in sorted(keys):
         value = state[key]
         if isinstance(value, torch.nn.Module):
             set_model_state_dict(value, sds[key], options=options)
         else:
-            set_optimizer_state_dict(_owner(state, key, value), value, sds[key], options=options)
+            # not strict: a parameter the checkpoint has no moments for (_without_unsaved_moments)
+            # gets none; the load above already had every other parameter's, or failed
+            set_optimizer_state_dict(_owner(state, key, value), value, sds[key],
+                                     options=dataclasses.replace(options, strict=False))
 
 
 def _optimizer_by_name(

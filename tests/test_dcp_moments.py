@@ -1,0 +1,77 @@
+"""A DCP checkpoint (several ranks) whose optimizer has no moments for some parameters: a head
+not used yet, a layer frozen when it was saved. The same script resumes from it, exactly, on as
+many ranks or on one; before, every rank failed with DCP's 'Missing key in checkpoint
+state_dict: optimizer.state.aux.weight.step'."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.ckpt_helpers import collect, env, free_port
+
+# save: a step in which `aux` gets no gradient (or is frozen), then checkpoint step 1 and the
+# optimizer's state_dict beside it; load: a fresh process loads step 1 and compares
+PROGRAM = textwrap.dedent("""
+    import os, sys
+    import torch, torch.distributed as dist
+    from ftkit.checkpoint import CheckpointConfig, make_manager
+
+    root, phase, how = sys.argv[1:4]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    model.aux = torch.nn.Linear(4, 2)
+    if how == "frozen" and phase == "save":
+        model.aux.requires_grad_(False)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    state = {"model": model, "optimizer": opt}
+    mgr = make_manager(CheckpointConfig(root=root), rank=rank, world_size=world)
+    if phase == "save":
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        mgr.save(1, state)
+        if rank == 0:
+            torch.save({"opt": opt.state_dict(), "model": model.state_dict()}, f"{root}/expected.pt")
+    else:
+        assert mgr.load(state) == 1
+        expected = torch.load(f"{root}/expected.pt")
+        got = opt.state_dict()
+        assert sorted(got["state"]) == sorted(expected["opt"]["state"]) == [0, 1], sorted(got["state"])
+        for pid, moments in expected["opt"]["state"].items():
+            for name, value in moments.items():
+                assert torch.equal(got["state"][pid][name], value), (pid, name)
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in expected["model"].items())
+        if how == "frozen":  # unfrozen now: its first step makes its moments, as for a new parameter
+            model.aux(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            assert sorted(opt.state_dict()["state"]) == [0, 1, 2, 3]
+        print("exact", rank, flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def _ranks(root: Path, world: int, phase: str, how: str) -> list[str]:
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", PROGRAM, str(root), phase, how],
+                              env=env(RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    outs = collect(procs, 120)
+    for r, (p, text) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, f"{phase} on {world} ranks: rank {r} exited {p.returncode}:\n{text}"
+    return outs
+
+
+@pytest.mark.parametrize("how", ["unused", "frozen"])
+@pytest.mark.parametrize("load_world", [2, 1])
+def test_a_parameter_without_moments_does_not_stop_the_resume(tmp_path: Path, how: str, load_world: int) -> None:
+    _ranks(tmp_path, 2, "save", how)
+    assert (tmp_path / "step-00000001" / "dcp").is_dir()
+    outs = _ranks(tmp_path, load_world, "load", how)
+    assert all(f"exact {r}" in out for r, out in enumerate(outs))
