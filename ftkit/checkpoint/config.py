@@ -128,7 +128,9 @@ class CheckpointInfo:
     """One checkpoint directory as found on disk.
 
     ``status`` is ``valid``, ``incomplete`` (sentinel present or no manifest: a save that never
-    finished) or ``corrupt`` (manifest unreadable, a file missing, a size or checksum mismatch).
+    finished), ``corrupt`` (manifest malformed, a file missing, a size or checksum mismatch) or
+    ``unreadable`` (an error such as permission denied kept this process from looking: not known
+    to be bad; a load stops at it and nothing deletes it).
     ``reason`` says why it is not valid (empty when valid); ``saved_for`` is the free-text reason
     given to ``save`` (e.g. ``save-switch touched (JOBDIR/save-switch)``, ``periodic (every 500
     steps)``, ``SIGTERM received``).

@@ -22,7 +22,6 @@ bytes reached the disk intact; the fsync of DCP's writer (``sync_files=True``) c
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import warnings
 from collections.abc import Callable, Mapping

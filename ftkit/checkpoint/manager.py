@@ -428,6 +428,9 @@ class Checkpointer(CheckpointManager):
         so a host served other bytes than another finds them here, before any are read in.
         Read before any bulk read queues on the device, through the page cache (a load reads
         them from there next)."""
+        if info.status == "unreadable":  # not known to be bad: no falling back past it unseen
+            return _REFUSED + (f"checkpoint {path}: {info.reason}" +
+                               (f" (rank {self.rank})" if self.comm.distributed else ""))
         if not info.valid:
             return f"{info.status}: {info.reason}"
         if not self.config.verify_on_load:

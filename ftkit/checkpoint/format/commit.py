@@ -206,6 +206,8 @@ class Committer:
                 if pin and not info.pinned:
                     pin_checkpoint(self.root, step, sync=self.config.fsync)
                 return validate_dir(path)
+            if info.status == "unreadable":  # not known to be bad: not this save's to delete
+                raise CheckpointError(f"cannot save step {step}: {path} is already there and {info.reason}")
             self.delete(info, "replaced by a new save of the same step")
         try:
             os.mkdir(path)

@@ -174,8 +174,27 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
+def _exists(path: Path) -> bool:
+    """Whether ``path`` exists (not following a link); an error other than its absence raises."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return True
+
+
+def _unreadable(exc: OSError, where: Path) -> str:
+    """Why a checkpoint could not be looked at: not that it is bad, that this process cannot tell."""
+    return (f"cannot read {exc.filename or where}: {exc.strerror or exc} (the checkpoint may be intact: "
+            "fix the permissions or the filesystem, or move the directory away to use an older one)")
+
+
 def validate_dir(path: str | os.PathLike[str], *, checksums: bool = False) -> CheckpointInfo:
-    """Describe the checkpoint directory ``path``; never raises for a bad checkpoint."""
+    """Describe the checkpoint directory ``path``; never raises for a bad checkpoint.
+
+    ``unreadable``: an error other than a missing file (permission denied, an I/O or network
+    filesystem error) kept this process from looking: the checkpoint is not known to be bad, so
+    a load stops rather than fall back past it and nothing deletes it."""
     path = Path(path)
     step = parse_step(path.name)
     step = -1 if step is None else step
@@ -188,17 +207,18 @@ def validate_dir(path: str | os.PathLike[str], *, checksums: bool = False) -> Ch
 
     try:
         st = os.lstat(path)
-    except OSError as exc:
-        return info("corrupt", f"cannot stat directory: {exc.strerror or exc}")
-    if not stat.S_ISDIR(st.st_mode):
-        return info("corrupt", "not a directory (symlinks are never followed)")
-    if os.path.lexists(path / SENTINEL):
-        return info("incomplete", f"{SENTINEL} present: the save never finished")
-    if not os.path.lexists(path / MANIFEST):
-        return info("incomplete", "no manifest.json: the save never finished")
-    try:
+        if not stat.S_ISDIR(st.st_mode):
+            return info("corrupt", "not a directory (symlinks are never followed)")
+        if _exists(path / SENTINEL):
+            return info("incomplete", f"{SENTINEL} present: the save never finished")
+        if not _exists(path / MANIFEST):
+            return info("incomplete", "no manifest.json: the save never finished")
         manifest = read_manifest(path)
-    except (OSError, ValueError) as exc:
+    except FileNotFoundError as exc:  # gone meanwhile (retention, a person)
+        return info("corrupt", f"{exc.filename or path} vanished")
+    except OSError as exc:
+        return info("unreadable", _unreadable(exc, path))
+    except ValueError as exc:
         return info("corrupt", str(exc))
     files = manifest["files"]
     common = {
@@ -221,7 +241,7 @@ def validate_dir(path: str | os.PathLike[str], *, checksums: bool = False) -> Ch
         except FileNotFoundError:
             return info("corrupt", f"{name} is missing", **common)
         except OSError as exc:
-            return info("corrupt", f"cannot stat {name}: {exc.strerror or exc}", **common)
+            return info("unreadable", _unreadable(exc, path / name), **common)
         if not stat.S_ISREG(fst.st_mode):
             return info("corrupt", f"{name} is not a regular file", **common)
         if fst.st_size != meta["size"]:

@@ -1,0 +1,77 @@
+"""A checkpoint this process cannot read (permission denied): not known to be bad, so a load
+stops at it, naming the file, instead of falling back past it, and nothing deletes it.
+
+The loads run without the capabilities that let root read any file whatever its mode
+(``setpriv --bounding-set=-dac_override,-dac_read_search``): as a user who may not read it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from ftkit.checkpoint import CheckpointInfo, validate_dir
+from ftkit.checkpoint.format.retention import plan_retention
+from tests.ckpt_helpers import make_mgr, small_state
+
+LOAD = textwrap.dedent("""
+    import sys
+    from tests.ckpt_helpers import make_mgr, small_state
+    from ftkit.errors import CheckpointError
+    state = small_state()
+    try:
+        step = make_mgr(sys.argv[1], keep_last=1).load(state)
+    except CheckpointError as exc:
+        print("refused:", exc)
+    else:
+        print("loaded", step, state["extra"]["value"])
+""")
+
+
+def without_override(*args: str) -> subprocess.CompletedProcess:
+    """``args`` run as root without the capabilities to read past a file's mode."""
+    assert os.geteuid() == 0, "this machine runs the tests as root"
+    repo = Path(__file__).resolve().parent.parent
+    return subprocess.run(["setpriv", "--bounding-set=-dac_override,-dac_read_search", *args],
+                          capture_output=True, text=True, timeout=120, cwd=repo,
+                          env={**os.environ, "PYTHONPATH": str(repo)})
+
+
+def test_a_load_stops_at_a_checkpoint_it_cannot_read(tmp_path: Path) -> None:
+    root = tmp_path / "job" / "checkpoints"
+    mgr = make_mgr(root, keep_last=None)
+    for step in (1, 2):
+        mgr.save(step, small_state(step))
+    manifest = root / "step-00000002" / "manifest.json"
+    manifest.chmod(0o000)
+
+    out = without_override(sys.executable, "-c", LOAD, str(root))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("refused:"), out.stdout + out.stderr  # not "loaded 1 1.0"
+    assert str(manifest) in out.stdout and "Permission denied" in out.stdout
+    ls = without_override(sys.executable, "-m", "ftkit", "ls", str(root.parent))
+    assert "unreadable" in ls.stdout + ls.stderr and "corrupt" not in ls.stdout, ls.stdout + ls.stderr
+    assert "incomplete" not in ls.stdout, ls.stdout
+
+    # a directory it cannot enter reads as unreadable too, not as an incomplete leftover
+    manifest.chmod(0o644)
+    (root / "step-00000002").chmod(0o000)
+    info = without_override(sys.executable, "-c", "import sys; from ftkit.checkpoint import validate_dir; "
+                            "print(validate_dir(sys.argv[1]).status)", str(root / "step-00000002"))
+    assert info.stdout.strip() == "unreadable", info.stdout + info.stderr
+
+    # root reads it: intact, loaded, nothing was deleted on the way
+    (root / "step-00000002").chmod(0o755)
+    assert validate_dir(root / "step-00000002", checksums=True).valid
+    state = small_state()
+    assert make_mgr(root).load(state) == 2 and state["extra"]["value"] == 2
+
+
+def test_retention_never_deletes_an_unreadable_checkpoint(tmp_path: Path) -> None:
+    infos = [CheckpointInfo(step=s, path=tmp_path / f"step-{s:08d}", status="valid") for s in (3, 4, 5)]
+    infos.append(CheckpointInfo(step=1, path=tmp_path / "step-00000001", status="unreadable", reason="denied"))
+    infos.append(CheckpointInfo(step=2, path=tmp_path / "step-00000002", status="corrupt", reason="bad"))
+    doomed = {info.step for info, _ in plan_retention(infos, keep_last=1, keep_every=None)}
+    assert doomed == {2, 3, 4}
