@@ -123,9 +123,14 @@ def run_slurm_command(cmd: Sequence[str], *, timeout: float, cwd: str | None = N
 
 def run_scontrol(args: Sequence[str], *, timeout: float = 10) -> str:
     """Run ``scontrol ARGS`` and return its stdout; SlurmError on any failure. The single call
-    point for scontrol (tests patch it)."""
+    point for scontrol (tests patch it).
+
+    scontrol runs with ``SLURM_TIME_FORMAT=standard`` (and the rest of this process's
+    environment as it is): a user's ``SLURM_TIME_FORMAT=relative``, which sbatch exports into
+    the job, would print ``EndTime=10:28:14`` instead of the ISO time :func:`job_end_time` reads.
+    """
     return run_slurm_command(
-        ["scontrol", *args], timeout=timeout,
+        ["scontrol", *args], timeout=timeout, env={**os.environ, "SLURM_TIME_FORMAT": "standard"},
         missing="scontrol is missing (not on PATH); run inside a SLURM cluster or disable the SLURM lookups in the config")
 
 
@@ -146,9 +151,15 @@ def parse_job_line(line: str) -> dict[str, str]:
     return info
 
 
-def job_info(job_id: str | int, *, runner: Runner | None = None) -> dict[str, str]:
-    """``scontrol show job -o JOBID`` as a dict (for an array's master id: its own line, else the first)."""
-    out = (runner or run_scontrol)(["show", "job", "-o", str(job_id)])
+def job_info(job_id: str | int, *, runner: Runner | None = None,
+             timeout: float | None = None) -> dict[str, str]:
+    """``scontrol show job -o JOBID`` as a dict (for an array's master id: its own line, else the first).
+    ``timeout`` (seconds) replaces :func:`run_scontrol`'s default; a ``runner`` gets no timeout."""
+    args = ["show", "job", "-o", str(job_id)]
+    if runner is not None:
+        out = runner(args)
+    else:  # run_scontrol looked up now, so a test's patch applies
+        out = run_scontrol(args) if timeout is None else run_scontrol(args, timeout=timeout)
     jobs = [info for info in map(parse_job_line, out.splitlines()) if "JobId" in info]
     for info in jobs:  # the array's master id lists every task; prefer the exact job
         if info["JobId"] == str(job_id):
@@ -165,9 +176,11 @@ def _field(info: Mapping[str, str], key: str, job_id: str | int) -> str:
         raise SlurmError(f"`scontrol show job -o {job_id}` has no {key}= field") from None
 
 
-def job_end_time(job_id: str | int, *, runner: Runner | None = None) -> float | None:
-    """The job's EndTime as UNIX time (scontrol prints local time); None when unset."""
-    value = _field(job_info(job_id, runner=runner), "EndTime", job_id)
+def job_end_time(job_id: str | int, *, runner: Runner | None = None,
+                 timeout: float | None = None) -> float | None:
+    """The job's EndTime as UNIX time (scontrol prints local time); None when unset
+    (``Unknown``: pending, or ``TimeLimit=UNLIMITED``)."""
+    value = _field(job_info(job_id, runner=runner, timeout=timeout), "EndTime", job_id)
     if value.lower() in _UNSET_TIMES:
         return None
     try:

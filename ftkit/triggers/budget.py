@@ -1,9 +1,11 @@
 """The time budget: save and exit while there is still time for one more step and a save.
 
-The job's end time is resolved once (explicit setting > environment variable > SLURM).
-Each step the controller calls :meth:`TimeBudget.due`, which is one clock read and one
-comparison against a precomputed threshold; the threshold moves only when the step or
-save estimate changes.
+The job's end time is resolved at start (explicit setting > environment variable > SLURM).
+An end time from SLURM is read again every ``refresh_every`` seconds and once more right
+before the budget would fire, so ``scontrol update jobid=N TimeLimit=...`` moves it. Each
+step the controller calls :meth:`TimeBudget.due`, which is one clock read and one comparison
+against a precomputed threshold (the earlier of "fire" and "read SLURM again"); the threshold
+moves only when an estimate or the end time changes, or a re-read is done.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ log = logging.getLogger(__name__)
 
 _EMA_ALPHA = 0.2  # weight of the newest step in the step-time average
 _SAVE_WINDOW = 5  # the save estimate is the slowest of this many recent saves
+_REFRESH_TIMEOUT = 5.0  # seconds a re-read of SLURM's EndTime may hold up a step
+_REFRESH_BACKOFF = 8  # failing re-reads space out, up to this many times refresh_every
+_LOOKUP_FAILED = "SLURM lookup failed"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,6 +52,12 @@ class BudgetConfig:
     save_estimate: float = 30.0
     """Seconds a save is assumed to take until one has been measured."""
 
+    refresh_every: float = 300.0
+    """Seconds between re-reads of SLURM's EndTime, so a time limit changed while the job runs
+    (``scontrol update jobid=N TimeLimit=...``) moves the budget; it is also re-read right
+    before the budget fires. One ``scontrol show job`` per rank per re-read; 0 reads it only
+    at start. An end time from ``deadline`` or ``env_var`` is never re-read."""
+
     enabled: bool = True
     """False turns the time budget off: it never fires."""
 
@@ -60,7 +71,7 @@ class BudgetConfig:
                 f"budget.env_var: got {self.env_var!r}; name an environment variable, "
                 "e.g. FTKIT_DEADLINE"
             )
-        for name in ("margin", "save_estimate"):
+        for name in ("margin", "save_estimate", "refresh_every"):
             value = getattr(self, name)
             if not _finite_number(value) or value < 0:
                 raise ConfigError(f"budget.{name}: got {value!r}; give seconds as a number >= 0")
@@ -90,19 +101,37 @@ def parse_deadline(text: str, *, setting: str) -> float:
     return seconds
 
 
-def _slurm_end_time(environ: Mapping[str, str]) -> float | None:
+_Lookup = Callable[[float | None], float | None]  # lookup(timeout or None) -> end time or None
+
+
+def _slurm_lookup(environ: Mapping[str, str]) -> _Lookup | None:
+    """``lookup(timeout)``: the job's EndTime from ``scontrol show job``; None outside SLURM."""
     from ..slurm.env import SlurmEnv, job_end_time
 
     job_id = SlurmEnv.from_env(environ).job_id
-    return None if job_id is None else job_end_time(job_id)
+    if job_id is None:
+        return None
+    return lambda timeout: job_end_time(job_id, timeout=timeout)
+
+
+def _when(end_time: float | None) -> str:
+    if end_time is None:
+        return "no end time"
+    return datetime.fromtimestamp(end_time).isoformat(timespec="seconds")
 
 
 class TimeBudget:
     """Says when the time left no longer covers the next step, a save and the margin.
 
     ``clock`` must return UNIX time (the end time is UNIX time). ``end_time_lookup``
-    replaces the SLURM lookup (called once, returns UNIX time or None). One-shot: once
-    :meth:`due` returned True, ``fired`` is set and it returns False from then on.
+    replaces the SLURM lookup (returns UNIX time or None, raises SlurmError when it cannot
+    say); like the SLURM lookup it is called at start, every ``refresh_every`` seconds and
+    once right before firing. One-shot: once :meth:`due` returned True, ``fired`` is set and
+    it returns False from then on.
+
+    Re-reads are per process. Ranks that disagree about the end time for a while still stop
+    together: the controller ORs the ranks' requests at the next agreement, so the earliest
+    end time any rank knows wins.
     """
 
     def __init__(
@@ -127,6 +156,9 @@ class TimeBudget:
         # due() is `now > _threshold`; -inf sends the first call to _slow_due, which starts.
         self._threshold = -math.inf
         self._started = False
+        self._ask: _Lookup | None = None  # reads the end time again; None: never
+        self._next_refresh = math.inf
+        self._refresh_failures = 0
 
     # -- setup -------------------------------------------------------------------------
 
@@ -135,8 +167,16 @@ class TimeBudget:
         if self._started:
             return self
         self._started = True
-        self.end_time, self.source = self._resolve()
-        if self.end_time is None:
+        self.end_time, self.source, lookup = self._resolve()
+        if lookup is not None and self.config.refresh_every > 0:
+            self._ask = lookup
+            self._next_refresh = self._clock() + self.config.refresh_every
+            # start() warned already; the re-reads warn again only after one has worked
+            self._refresh_failures = int(self.source == _LOOKUP_FAILED)
+        if self.end_time is None and self._ask is not None:
+            log.info("time budget: no deadline yet (%s); reading it again every %g s",
+                     self.source, self.config.refresh_every)
+        elif self.end_time is None:
             log.info("time budget: no deadline (%s); it will never fire", self.source)
         else:
             log.info(
@@ -148,30 +188,59 @@ class TimeBudget:
         self._update_threshold()
         return self
 
-    def _resolve(self) -> tuple[float | None, str]:
+    def _resolve(self) -> tuple[float | None, str, _Lookup | None]:
+        """The end time, where it came from, and the lookup that can read it again (SLURM's)."""
         cfg = self.config
         if not cfg.enabled:
-            return None, "disabled (budget.enabled=false)"
+            return None, "disabled (budget.enabled=false)", None
         if cfg.deadline is not None:
-            return float(cfg.deadline), "budget.deadline"
+            return float(cfg.deadline), "budget.deadline", None
         environ = os.environ if self._environ is None else self._environ
         raw = environ.get(cfg.env_var)
         if raw is not None and raw.strip():
-            return parse_deadline(raw, setting=f"environment variable {cfg.env_var}"), (
-                f"${cfg.env_var}"
-            )
+            setting = f"environment variable {cfg.env_var}"
+            return parse_deadline(raw, setting=setting), f"${cfg.env_var}", None
+        unset = f"budget.deadline unset, ${cfg.env_var} unset"
         if not cfg.use_slurm:
-            return None, f"budget.deadline unset, ${cfg.env_var} unset, budget.use_slurm=false"
+            return None, f"{unset}, budget.use_slurm=false", None
+        given = self._lookup
+        if given is not None:
+            lookup, source = (lambda timeout: given()), "end_time_lookup"
+        else:
+            lookup, source = _slurm_lookup(environ), "SLURM EndTime"
+        if lookup is None:
+            return None, f"{unset}, not in a SLURM job", None
         try:
-            if self._lookup is not None:
-                return self._lookup(), "end_time_lookup"
-            end = _slurm_end_time(environ)
+            end = lookup(None)
         except SlurmError as exc:
             log.warning("time budget: cannot ask SLURM for the job's end time: %s", exc)
-            return None, "SLURM lookup failed"
+            return None, _LOOKUP_FAILED, lookup
         if end is None:
-            return None, f"budget.deadline unset, ${cfg.env_var} unset, no SLURM end time"
-        return end, "SLURM EndTime"
+            return None, f"{unset}, no SLURM end time", lookup
+        return end, source, lookup
+
+    def _refresh(self, now: float) -> None:
+        """Read the end time again; a failed read keeps the last one (warned once per streak)."""
+        assert self._ask is not None
+        try:
+            end = self._ask(_REFRESH_TIMEOUT)
+        except SlurmError as exc:
+            self._refresh_failures += 1
+            wait = self.config.refresh_every * min(2**self._refresh_failures, _REFRESH_BACKOFF)
+            self._next_refresh = now + wait
+            if self._refresh_failures == 1:
+                log.warning("time budget: cannot read the job's end time again (%s); keeping %s, "
+                            "retrying in %.0f s", exc, _when(self.end_time), wait)
+            return
+        if self._refresh_failures:
+            log.info("time budget: reading the job's end time works again")
+        self._refresh_failures = 0
+        self._next_refresh = now + self.config.refresh_every
+        if end != self.end_time:
+            moved = "" if end is None or self.end_time is None else f" ({end - self.end_time:+.0f} s)"
+            log.info("time budget: the job's end time moved from %s to %s%s",
+                     _when(self.end_time), _when(end), moved)
+            self.end_time = end
 
     # -- estimates ---------------------------------------------------------------------
 
@@ -196,15 +265,15 @@ class TimeBudget:
             self.save_estimate = estimate
             self._update_threshold()
 
+    def _fire_at(self) -> float:
+        if self.fired or self.end_time is None:
+            return math.inf
+        return self.end_time - (self.step_estimate + self.save_estimate + self.config.margin)
+
     def _update_threshold(self) -> None:
         if not self._started:
             return  # stays -inf so the first due() starts
-        if self.fired or self.end_time is None:
-            self._threshold = math.inf
-        else:
-            self._threshold = self.end_time - (
-                self.step_estimate + self.save_estimate + self.config.margin
-            )
+        self._threshold = math.inf if self.fired else min(self._fire_at(), self._next_refresh)
 
     # -- per step ----------------------------------------------------------------------
 
@@ -216,15 +285,21 @@ class TimeBudget:
 
     def due(self, now: float | None = None) -> bool:
         """True (once) when the time left is less than next step + save + margin."""
-        if (self._clock() if now is None else now) <= self._threshold:
+        t = self._clock() if now is None else now
+        if t <= self._threshold:
             return False
-        return self._slow_due(now)
+        return self._slow_due(t)
 
-    def _slow_due(self, now: float | None) -> bool:
+    def _slow_due(self, now: float) -> bool:
         if not self._started:
             self.start()
             return self.due(now)
-        if self.fired or self.end_time is None:
+        if self.fired:
+            return False
+        if self._ask is not None and (now > self._fire_at() or now >= self._next_refresh):
+            self._refresh(now)  # about to fire: make sure the limit was not extended
+        if now <= self._fire_at():
+            self._update_threshold()
             return False
         self.fired = True
         self._threshold = math.inf
