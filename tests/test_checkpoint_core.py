@@ -230,21 +230,23 @@ def test_resume_modes(tmp_path):
 
 
 def test_load_given_step_and_resave_same_step(tmp_path):
+    """Loading step 1 by number while step 2 exists forks the history: at this run's first save
+    the old step 2 goes aside (kept, whole) and the new save of step 2 is written, not skipped."""
     root = tmp_path / "ck"
     mgr = make_mgr(root, keep_last=None)
     mgr.save(1, small_state(1))
     mgr.save(2, small_state(2))
     state = small_state()
+    mgr = make_mgr(root, keep_last=None)
     assert mgr.load(state, step=1) == 1 and state["extra"]["value"] == 1
     before = (root / "step-00000002" / "manifest.json").read_bytes()
     info = mgr.save(2, small_state(9), pin=True)
-    assert (
-        info.valid
-        and info.pinned
-        and (root / "step-00000002" / "manifest.json").read_bytes() == before
-    )
-    with pytest.raises(NoCheckpointError):
-        mgr.load(state, step=5)
+    assert info.valid and info.pinned
+    (aside,) = root.glob("set-aside-*-after-step-00000001")
+    assert (aside / "step-00000002" / "manifest.json").read_bytes() == before
+    assert validate_dir(aside / "step-00000002", checksums=True).valid
+    state = small_state()
+    assert make_mgr(root).load(state) == 2 and state["extra"]["value"] == 9
 
 
 def test_incomplete_same_step_leftover_is_replaced(tmp_path):

@@ -265,6 +265,7 @@ class Checkpointer(CheckpointManager):
         """
         if step is None and self.config.resume == "never":
             log.info("checkpoint.resume is 'never': starting fresh")
+            self.commits.fork(None)  # the root's checkpoints are another history's
             return None
         began = time.monotonic()  # the load event splits finding/validating from reading
         self.comm.check()
@@ -274,7 +275,10 @@ class Checkpointer(CheckpointManager):
         # job's, before its first step): a load that fails takes them away again
         fresh = [v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state]
         try:
-            return self._load(state, step, began)
+            restored = self._load(state, step, began)
+            if step is not None and any(s > step for s, _ in list_step_dirs(self.root)):
+                self.commits.fork(step)  # a step before the newest, asked for: a history goes on from it
+            return restored
         except BaseException:
             for optimizer in fresh:
                 optimizer.state.clear()

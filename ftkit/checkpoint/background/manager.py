@@ -174,6 +174,9 @@ class AsyncCheckpointer(CheckpointManager):
         """Start saving ``state`` as ``step``; returns once the snapshot is taken (status ``pending``)."""
         self._check_open()
         self._raise_pending()
+        # a load of an older step: the later checkpoints go aside here, in the trainer, whichever
+        # process persists (the crash-safe saver's committer never loaded anything)
+        self.checkpointer.commits.set_aside_fork()
         newest = self._newest
         if newest is not None and newest.step == step and not newest.busy:
             if newest.in_flight or newest.durable:

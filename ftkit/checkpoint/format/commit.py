@@ -171,6 +171,7 @@ class Committer:
         self._in_progress: set[int] = set()
         self._failed: set[int] = set()
         self._looked = False
+        self._fork: int | None = None  # see fork()
 
     @property
     def root(self) -> Path:
@@ -193,10 +194,51 @@ class Committer:
         finally:
             self._in_progress.discard(step)
 
+    def fork(self, base: int | None) -> None:
+        """This run goes on from checkpoint ``base`` (None: from nothing) although the root holds
+        later steps: a step loaded by number, or ``resume='never'``. Those later checkpoints are
+        of another history; before this run's first save they are set aside
+        (:meth:`set_aside_fork`), so that a later resume takes this run's checkpoints, not theirs,
+        and none of this run's saves is taken for one of them."""
+        self._fork = -1 if base is None else base
+
+    def set_aside_fork(self) -> Path | None:
+        """Before the first save after :meth:`fork` (rank 0): move every step directory after
+        the fork's base into ``ROOT/set-aside-<UTC time>-after-step-N/`` (nothing is deleted;
+        resume, retention and ``ftkit ls`` see only the root's own step directories). The
+        directory it made, or None."""
+        base, self._fork = self._fork, None
+        if base is None or self.rank != 0:
+            return None
+        later = [path for step, path in list_step_dirs(self.root) if step > base]
+        if not later:
+            return None
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self._clock()))
+        aside = self.root / (f"set-aside-{stamp}" + (f"-after-{step_name(base)}" if base >= 0 else ""))
+        try:
+            os.mkdir(aside)
+            for path in sorted(later):
+                os.rename(path, aside / path.name)
+            fsync_dir(aside)
+            fsync_dir(self.root)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot set aside the checkpoints after step {base} in {self.root} (this run does not go on "
+                f"from them) into {aside}: {exc.strerror or exc}; move them out of {self.root} by hand") from exc
+        names = ", ".join(path.name for path in sorted(later))
+        since = f"from step {base}" if base >= 0 else "fresh (checkpoint.resume='never')"
+        log.warning("this run went on %s, so the later checkpoints of another history (%s) were moved to %s: "
+                    "resume takes this run's checkpoints now; delete that directory once it is not wanted",
+                    since, names, aside)
+        self._emit("set-aside", step=base if base >= 0 else None, path=str(aside), steps=[parse_step(p.name) for p in sorted(later)])
+        return aside
+
     def prepare(self, step: int, *, pin: bool) -> CheckpointInfo | None:
-        """Start ``step-N/`` (stage 1); returns the checkpoint instead if a valid one is there already."""
+        """Start ``step-N/`` (stage 1); returns the checkpoint instead if a valid one is there already
+        (written by this run: the same state)."""
         path = self.path(step)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.set_aside_fork()
         self.note_leftovers()
         self.clean_leftovers()
         if os.path.lexists(path):
