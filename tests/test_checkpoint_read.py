@@ -1976,3 +1976,45 @@ def test_a_state_file_whose_records_do_not_lie_back_to_back_still_loads_exactly(
     assert _same(_snapshot(live), want)
     assert "reading it again" in caplog.text
 
+
+
+def _model(change: str = "") -> tuple[torch.nn.Sequential, torch.optim.Optimizer]:
+    layers = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)]
+    model = torch.nn.Sequential(*(layers[:1] if change == "layer removed" else layers))
+    if change == "buffer added":
+        model.register_buffer("ema_count", torch.zeros(1))
+    if change == "param group added":
+        opt = torch.optim.Adam([{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 0.1}])
+    else:
+        opt = torch.optim.Adam(model.parameters())
+    return model, opt
+
+
+@pytest.mark.parametrize("older", [True, False])
+@pytest.mark.parametrize("change", ["buffer added", "layer removed", "param group added"])
+def test_a_model_or_optimizer_whose_keys_changed_is_refused_before_anything_is_loaded(tmp_path, change, older):
+    """A layer or buffer added or removed, a param group added: refused naming the file and
+    what differs, the state as it was built (``load_state_dict`` raised torch's bare error,
+    naming no checkpoint, after copying every tensor that fit; the plain values and the
+    optimizer's were restored or cleared by then). ``older``: with an older checkpoint (read
+    straight into the live tensors) or without."""
+    root = tmp_path / "ck"
+    mgr = make_mgr(root, keep_last=None)
+    torch.manual_seed(0)
+    model, opt = _model()
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    for step in (1, 2) if older else (2,):
+        mgr.save(step, {"model": model, "optimizer": opt, "epoch": 7})
+    torch.manual_seed(1)
+    model, opt = _model(change)
+    built = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {"model": model, "optimizer": opt, "epoch": 0}
+    said = {"buffer added": r"state\['model'\]: ema_count is not in the checkpoint",
+            "layer removed": r"state\['model'\]: 1.bias is in the checkpoint, not in the module",
+            "param group added": r"state\['optimizer'\]: the checkpoint's optimizer has param groups of \[4\] "
+                                 r"parameters, the live one \[2, 2\]"}[change]
+    with pytest.raises(CheckpointError, match=rf"step-00000002/rank-00000.pt does not fit the live state: {said}"):
+        make_mgr(root).load(state)
+    assert state["epoch"] == 0 and opt.state_dict()["state"] == {}
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in built.items())

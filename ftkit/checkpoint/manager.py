@@ -47,6 +47,7 @@ from .protocol import CheckpointManager
 from .state.keys import check_missing, describe_rule, is_dcp, match_keys, refusal
 from .state.restore import (
     SetAside,
+    key_mismatches,
     live_targets,
     on_gpu,
     own_tensors,
@@ -635,7 +636,7 @@ class Checkpointer(CheckpointManager):
             for key, value in live.items():  # a model saved inside DDP loads without it, and back
                 if isinstance(value, torch.nn.Module) and key in saved:
                     saved[key] = match_keys(saved[key], list(value.state_dict()), f"{path}: state[{key!r}]")
-            misfits = shape_mismatches(live, saved)  # nothing read into the live state (_targets)
+            misfits = shape_mismatches(live, saved) + key_mismatches(live, saved)  # nothing read in (_targets)
             if misfits:
                 raise CheckpointError(_misfit(path / name, misfits))
         # the payload's tensors are views of the read buffer: what a live object keeps is copied
@@ -729,7 +730,7 @@ class Checkpointer(CheckpointManager):
         for key, value in state.items():  # as _try_load: a model saved inside DDP, or back
             if isinstance(value, torch.nn.Module) and isinstance(saved.get(key), Mapping):
                 matched[key] = match_keys(saved[key], list(value.state_dict()), f"{path}: state[{key!r}]")
-        if shape_mismatches(state, matched):
+        if shape_mismatches(state, matched) or key_mismatches(state, matched):
             return {}  # _restore_into refuses it after the read: the state stays as it was
         found: dict[int, Any] = {}
         for key in state:  # by key: a corrupt file's bytes must be overwritten where they went

@@ -25,8 +25,18 @@ from torch.nn.parameter import is_lazy
 
 from .snapshot import is_stateful
 
-__all__ = ["SetAside", "clone_tensors", "live_targets", "on_gpu", "optimizer_homes", "own_tensors",
-           "reachable_tensors", "restore_state", "shape_mismatches"]
+__all__ = [
+    "SetAside",
+    "clone_tensors",
+    "key_mismatches",
+    "live_targets",
+    "on_gpu",
+    "optimizer_homes",
+    "own_tensors",
+    "reachable_tensors",
+    "restore_state",
+    "shape_mismatches",
+]
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +180,56 @@ def shape_mismatches(state: Mapping[str, Any], saved: Mapping[str, Any]) -> list
                         and tuple(other.shape) != tuple(tensor.shape)):
                     found.append(f"state[{key!r}]: {prefix + '.' if prefix else ''}{name} is {list(other.shape)} "
                                  f"in the checkpoint, {list(tensor.shape)} in the module")
+    return found
+
+
+def _torchs(modules: Mapping[str, torch.nn.Module], name: str) -> bool:
+    """Whether the module that owns the state key ``name`` loads it with torch's own code."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        owner = modules.get(".".join(parts[:i]))
+        if owner is not None:
+            return type(owner)._load_from_state_dict is torch.nn.Module._load_from_state_dict
+    return True
+
+
+def key_mismatches(state: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
+    """What ``load_state_dict`` would raise for after copying what fits, found before: a
+    module's keys the checkpoint lacks or has besides (a layer or buffer added or removed), and
+    an optimizer's param groups of other sizes (a group or a parameter added or removed), as
+    ``state['model']: 3.weight is not in the checkpoint``.
+
+    Only what torch's own loading decides: a key owned by a module that overrides
+    ``_load_from_state_dict`` (it may make or take keys itself, as BatchNorm does) is left to
+    it; nothing of a model or optimizer that overrides ``load_state_dict`` or has load hooks."""
+    found: list[str] = []
+    for key, live in state.items():
+        theirs = saved.get(key)
+        if isinstance(live, torch.nn.Module) and isinstance(theirs, Mapping):
+            if type(live).load_state_dict is not torch.nn.Module.load_state_dict or any(
+                    getattr(m, "_load_state_dict_pre_hooks", None) or getattr(m, "_load_state_dict_post_hooks", None)
+                    for m in live.modules()):
+                continue
+            modules = dict(live.named_modules())
+            mine = set(live.state_dict())
+            for name in sorted(mine - set(theirs)):
+                if _torchs(modules, name):
+                    found.append(f"state[{key!r}]: {name} is not in the checkpoint (added since?)")
+            for name in sorted(n for n in theirs if isinstance(n, str) and n not in mine):
+                if _torchs(modules, name):
+                    found.append(f"state[{key!r}]: {name} is in the checkpoint, not in the module (removed since?)")
+        elif isinstance(live, torch.optim.Optimizer) and isinstance(theirs, Mapping):
+            if (type(live).load_state_dict is not torch.optim.Optimizer.load_state_dict
+                    or getattr(live, "_optimizer_load_state_dict_pre_hooks", None)):
+                continue
+            groups = theirs.get("param_groups")
+            if not isinstance(groups, list):
+                continue
+            sizes = [len(g.get("params", ())) for g in groups if isinstance(g, Mapping)]
+            live_sizes = [len(g["params"]) for g in live.param_groups]
+            if sizes != live_sizes:
+                found.append(f"state[{key!r}]: the checkpoint's optimizer has param groups of {sizes} parameters, "
+                             f"the live one {live_sizes}")
     return found
 
 
