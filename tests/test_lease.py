@@ -143,6 +143,32 @@ def test_second_run_is_refused_and_the_first_completes_clean(tmp_path: Path) -> 
     assert lease_status(jobdir)["state"] == "released"
 
 
+def test_a_second_job_dir_on_the_same_checkpoint_root_is_refused_while_the_first_runs(tmp_path: Path) -> None:
+    """Two job dirs whose scripts name one absolute checkpoint root (a job dir copied, a script
+    reused): each job dir's lease is free, but the second run is refused (exit 86, naming the
+    root and the other job dir) while the first runs, and changes nothing; once the first has
+    ended, the second runs there."""
+    root, first_dir, second_dir = tmp_path / "scratch" / "ckpt", tmp_path / "a", tmp_path / "b"
+    first = launch(first_dir, tmp_path / "ctl", "--hold-at", "5", "--root", str(root))
+    try:
+        holding(tmp_path / "ctl")
+        before = {p: p.stat().st_mtime_ns for p in root.rglob("*")}
+        assert (root / "job-dir").read_text().strip() == str(first_dir.resolve())
+        ((rc, err),) = finish(launch(second_dir, tmp_path / "ctl2", "--root", str(root)), timeout=120)
+        assert rc == EXIT_JOBDIR_BUSY, err
+        assert f"checkpoint root {root} is in use by the run of another job dir, {first_dir.resolve()}" in err, err
+        assert "Traceback" not in err, err
+        assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == before
+        assert lease_status(second_dir)["state"] == "released"
+    finally:
+        (tmp_path / "ctl" / "release").touch()
+        ((rc, err),) = finish(first)
+    assert rc == 0, err
+    ((rc, err),) = finish(launch(second_dir, tmp_path / "ctl3", "--root", str(root)), timeout=120)
+    assert rc == 0, err
+    assert (root / "job-dir").read_text().strip() == str(second_dir.resolve())
+
+
 def test_in_process_second_controller_is_refused_without_dropping_the_lock(tmp_path: Path) -> None:
     """fcntl locks belong to the process: a second FaultTolerance in it must not close the file."""
     cfg = ftkit.Config(lease=LeaseConfig(heartbeat=0.05, stale_after=1.0))

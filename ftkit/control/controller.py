@@ -168,11 +168,16 @@ class FaultTolerance:
             self._collective = Collective(self.config.agreement, self._group)
         killed = switch_is_set(self.job, "kill")
         # a killed job dir's run does nothing, so another run's lease does not refuse it
+        from ..checkpoint.config import CheckpointConfig
+
+        root = (self.config.checkpoint or CheckpointConfig()).under(self.job.root).root
+        outside = not root.resolve().is_relative_to(self.job.root.resolve())
         self._lease = take_lease(
             self.job, self.config.lease, events=self.events, rank=self.rank, world_size=self.world_size,
             group=self._group, device=self.config.agreement.device, job_id=slurm.job_id,
             restart_count=slurm.restart_count, idle_if_busy=killed,
-            on_lost=lambda why: self.box.post(Request(Action.EXIT, Source.API, why, requeue=False)))
+            on_lost=lambda why: self.box.post(Request(Action.EXIT, Source.API, why, requeue=False)),
+            checkpoint_root=root if outside else None)
         self._started = True
         if killed:
             self._no_save_at_start = True

@@ -26,6 +26,9 @@ __all__ = ["Lease", "agree_refused", "take_lease"]
 
 log = logging.getLogger(__name__)
 
+ROOT_OWNER = "job-dir"
+"""In a checkpoint root outside its job dir: the job dir that uses it (:meth:`Lease._claim_root`)."""
+
 _LEASE_BYTE = 0  # held for the run's life
 _MUTEX_BYTE = 1  # held while deciding and writing the record
 _MUTEX_WAIT = 10.0  # seconds to wait for another run's acquisition or release to finish
@@ -82,8 +85,10 @@ class Lease:
 
     def __init__(self, job: JobDir, config: LeaseConfig, *, events: EventLog, world_size: int = 1,
                  job_id: str | None = None, restart_count: int = 0, clock: Callable[[], float] = time.time,
-                 on_lost: Callable[[str], None] | None = None) -> None:
+                 on_lost: Callable[[str], None] | None = None, checkpoint_root: Path | None = None) -> None:
         self.job = job
+        self.checkpoint_root = checkpoint_root
+        """The job's checkpoint root where it lies outside the job dir: claimed too (:meth:`_claim_root`)."""
         self.config = config
         self._events = events
         self._clock = clock
@@ -116,6 +121,15 @@ class Lease:
             except JobDirBusyError as exc:
                 self._refuse(str(exc), exc.holder, idle=idle_if_busy)
                 raise
+        try:
+            self._claim_root()
+        except JobDirBusyError as exc:
+            self.release()
+            self._refuse(str(exc), exc.holder, idle=idle_if_busy)
+            raise
+        except BaseException:
+            self.release()
+            raise
         if verdict.kind == "takeover":
             assert held is not None
             log.warning("ftkit: took over the lease of job dir %s from %s: %s", self.job.root, held.holder, verdict.reason)
@@ -155,6 +169,40 @@ class Lease:
                 _unlock(fd, _MUTEX_BYTE)
             else:  # nothing of ours stays on this file: closing drops the mutex
                 os.close(fd)
+
+    def _claim_root(self) -> None:
+        """A checkpoint root outside the job dir is this job's: ``ROOT/job-dir`` names the job
+        dir that last ran on it. Another job dir whose run holds its lease now (a copied job
+        dir, or a script that names the same absolute root) refuses this run, which has changed
+        nothing: two runs on one root delete each other's saves in progress and mix their
+        histories, and the job dir's lease alone cannot see it."""
+        root = self.checkpoint_root
+        if root is None:
+            return
+        mine = self.job.root.resolve()
+        owner_file = root / ROOT_OWNER
+        try:
+            other = Path(owner_file.read_text().strip())
+        except FileNotFoundError:
+            other = None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read {owner_file}, the job dir that uses checkpoint root {root}: {exc}") from exc
+        if other is not None and other != mine and other.is_dir():
+            held = LeaseRecord.read(JobDir.of(other).lease)
+            now = self._clock()
+            live = (held is not None and held.released is None
+                    and now - held.heartbeat <= max(held.stale_after, self.config.stale_after)
+                    and not (held.host == self.record.host and not pid_alive(held.pid)))
+            if live:
+                assert held is not None
+                raise JobDirBusyError(
+                    f"checkpoint root {root} is in use by the run of another job dir, {other} ({held.holder}; "
+                    f"see {owner_file}): two runs must not write one checkpoint root. Give this job dir "
+                    f"({mine}) a checkpoint.root of its own, or stop that run first. This run changed nothing",
+                    held)
+        if other != mine:
+            root.mkdir(parents=True, exist_ok=True)
+            atomic_write(owner_file, f"{mine}\n".encode())
 
     def _open_with_mutex(self, path: Path) -> int:
         """Open the current ``lease.lock`` with byte 1 (the mutex) locked."""
@@ -334,14 +382,17 @@ def _destroy_group_at_exit() -> None:
 
 def take_lease(job: JobDir, config: LeaseConfig, *, events: EventLog, rank: int = 0, world_size: int = 1,
                group: Any = None, device: str | None = None, job_id: str | None = None, restart_count: int = 0,
-               on_lost: Callable[[str], None] | None = None, idle_if_busy: bool = False) -> Lease | None:
+               on_lost: Callable[[str], None] | None = None, idle_if_busy: bool = False,
+               checkpoint_root: Path | None = None) -> Lease | None:
     """Rank 0 takes the lease; every rank learns the outcome (one all-reduce when
     ``world_size > 1``) and raises the same way, so no rank waits in a later collective for a
     rank that stopped. Returns rank 0's :class:`Lease` (None on other ranks or when disabled).
 
     ``idle_if_busy`` (rank 0's counts): the run will do nothing because the kill switch is on,
     so a lease held by another run returns None on every rank instead of raising: a later
-    job on a killed job dir ends with code 0 even while another one is still exiting."""
+    job on a killed job dir ends with code 0 even while another one is still exiting.
+    ``checkpoint_root``: the job's checkpoint root, claimed too where it lies outside the job
+    dir (:meth:`Lease._claim_root`)."""
     if not config.enabled:
         return None
     lease: Lease | None = None
@@ -349,7 +400,7 @@ def take_lease(job: JobDir, config: LeaseConfig, *, events: EventLog, rank: int 
     outcome = 0  # 0: taken, 1: held by another run, 2: failed, 3: held, and this run stays idle
     if rank == 0:
         lease = Lease(job, config, events=events, world_size=world_size, job_id=job_id,
-                      restart_count=restart_count, on_lost=on_lost)
+                      restart_count=restart_count, on_lost=on_lost, checkpoint_root=checkpoint_root)
         try:
             lease.acquire(idle_if_busy=idle_if_busy)
         except JobDirBusyError as exc:

@@ -1,7 +1,7 @@
 """A tiny training run for the lease tests.
 
     python lease_train.py JOBDIR CONTROL --steps N [--save-every K] [--hold-at S]
-                          [--heartbeat H] [--stale-after T] [--stop-in-heartbeat-write]
+                          [--heartbeat H] [--stale-after T] [--stop-in-heartbeat-write] [--root DIR]
 
 Trains a linear model with ``ft.range`` and periodic checkpoints. With ``--hold-at S`` every
 rank writes ``CONTROL/holding-rankR`` (its pid) at step S and waits there until
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 import ftkit
+from ftkit.checkpoint import CheckpointConfig
 from ftkit.lease import LeaseConfig
 
 
@@ -40,6 +41,7 @@ def main() -> int:
     ap.add_argument("--heartbeat", type=float, default=0.2)
     ap.add_argument("--stale-after", type=float, default=600.0)
     ap.add_argument("--stop-in-heartbeat-write", action="store_true")
+    ap.add_argument("--root", type=Path, help="the checkpoint root (default JOBDIR/checkpoints)")
     args = ap.parse_args()
     stop_armed = threading.Event()
     if args.stop_in_heartbeat_write:
@@ -60,6 +62,7 @@ def main() -> int:
         agreement=ftkit.AgreementConfig(every=1),
         budget=ftkit.BudgetConfig(use_slurm=False),  # tests fake SLURM_JOB_ID: never ask scontrol
         lease=LeaseConfig(heartbeat=args.heartbeat, stale_after=args.stale_after),
+        checkpoint=None if args.root is None else CheckpointConfig(root=args.root),
     )
     with ftkit.FaultTolerance(args.jobdir, state={"model": model, "optimizer": opt}, config=config) as ft:
         for step in ft.range(args.steps):
