@@ -3,6 +3,10 @@
 Each command group lives in its own module (``_triggers``, ``_status``, ``_report``, ``_checkpoints``, ``_slurm``,
 ``_demo``) with a ``register(subparsers)`` function. Modules import torch and other heavy
 packages only inside the command functions, so ``ftkit --help`` stays light.
+
+A command fails with ``error: MESSAGE`` on stderr and a non-zero exit, never a traceback: an
+``FtkitError`` exits with its code, an ``OSError`` (a file it may not read, a full disk) with 1
+and the file's name (``-v`` adds the traceback).
 """
 
 from __future__ import annotations
@@ -10,7 +14,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
+import traceback
 from collections.abc import Sequence
 
 from ..errors import FtkitError
@@ -53,13 +59,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         rc = args.func(args)
     except FtkitError as exc:
-        from rich.console import Console
-
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {exc}", highlight=False)
+        _error(str(exc))
         return exc.exit_code
+    except BrokenPipeError:  # `ftkit ... | head`: the reader is gone; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as exc:  # a file the command could not read or write: say which, no traceback
+        if args.verbose:
+            traceback.print_exc()
+        _error(_os_error(exc))
+        return 1
     except KeyboardInterrupt:
         return 130
     return int(rc or 0)
+
+
+def _os_error(exc: OSError) -> str:
+    """``PATH: what went wrong`` (like coreutils), with a hint for a permission error."""
+    if exc.filename is None:
+        return str(exc)
+    where = f"{exc.filename}" + (f" -> {exc.filename2}" if exc.filename2 is not None else "")
+    message = f"{where}: {exc.strerror or exc}"
+    if isinstance(exc, PermissionError):
+        message += " (run the command as a user who may access it, e.g. the job's owner)"
+    return message
+
+
+def _error(message: str) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, NoCheckpointError
+from ..errors import CheckpointError, ConfigError, NoCheckpointError
+from ._paths import Root, checkpoint_root, place, wrong_place
 
 __all__ = ["register"]
 
@@ -17,7 +18,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "ls", help="list checkpoints of a job: step, age, size, validity, pin"
     )
-    p.add_argument("jobdir", type=Path, help="job directory (or its checkpoints/ directory)")
+    p.add_argument("jobdir", type=Path, help="the job dir (its checkpoints are found where its events log "
+                   "says they were saved) or a checkpoint root")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_ls)
 
@@ -31,21 +33,48 @@ def register(subparsers) -> None:
         ("unpin", "let retention delete it again"),
     ):
         p = subparsers.add_parser(name, help=what)
-        p.add_argument("jobdir", type=Path, help="job directory (or its checkpoints/ directory)")
+        p.add_argument("jobdir", type=Path, help="the job dir or a checkpoint root")
         p.add_argument("step", type=int, help="the checkpoint's step")
         p.set_defaults(func=cmd_pin if name == "pin" else cmd_unpin)
 
 
-def _root(path: Path) -> tuple[Path, Path | None]:
-    """``(checkpoint root, job directory or None)`` for a job directory or a checkpoint root."""
+_TAKES = "a job dir or a checkpoint root"
+
+
+def _root(path: Path, *, command: str) -> tuple[Root, Path | None]:
+    """``(checkpoint root, job dir or None)`` for a job dir (its root from its events log, see
+    ``_paths.checkpoint_root``) or a checkpoint root; any other path is refused with what it is
+    and what to pass instead."""
+    from ..events import read_events
     from ..jobdir import JobDir
 
-    job = JobDir.of(path)
-    if job.checkpoints.is_dir():
-        return job.checkpoints, job.root
-    if not job.root.is_dir():
-        raise CheckpointError(f"{path}: no such directory; pass the job dir (or its checkpoints/ directory)")
-    return job.root, None
+    where = place(path)
+    if where.kind == "job":
+        return checkpoint_root(where.path, read_events(JobDir.of(where.path).events)), where.path
+    if where.kind in ("root", "fresh", "inside"):
+        job = where.job
+        if job is not None and checkpoint_root(job, read_events(JobDir.of(job).events)).path != where.path:
+            job = None  # not the root the job saves to
+        if where.kind != "inside" or job is not None:  # JOBDIR/checkpoints before the first save is "inside"
+            return Root(where.path), job
+    if where.kind == "step":
+        instead = f"pass {where.job or where.path.parent}"
+        if command == "ls":
+            instead += f" to list them all, or run `ftkit verify {where.path}` to check this one"
+        else:
+            instead += " and the step"
+        raise ConfigError(wrong_place(where, takes=_TAKES, instead=instead))
+    raise ConfigError(wrong_place(where, takes=_TAKES))
+
+
+def _none(root: Root, job: Path | None) -> str:
+    """Why there is no checkpoint to list, in words."""
+    if not root.exists:
+        return f"no checkpoints in {root}: it does not exist here" if root.found_in else \
+            f"no checkpoints in {root} yet"
+    if job is None and not any(root.path.iterdir()):
+        return f"no checkpoints in {root} yet: it is empty (no step dirs, and no ftkit job has started in it)"
+    return f"no checkpoints in {root} yet"
 
 
 def _human(n: float) -> str:
@@ -89,7 +118,7 @@ def _table(infos, title: str) -> None:
             escape(i.reason or i.saved_for or ""),
         )
     console = Console()
-    console.print(title, highlight=False)
+    console.print(escape(title), highlight=False)  # a path may hold [brackets]
     console.print(table)
 
 
@@ -110,15 +139,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from ..checkpoint import validate_dir
     from ..checkpoint.format import list_step_dirs
 
-    root, job = _root(args.jobdir)
-    infos = [validate_dir(p) for _, p in list_step_dirs(root)]
+    root, job = _root(args.jobdir, command="ls")
+    infos = [validate_dir(p) for _, p in list_step_dirs(root.path)]
     if args.json:
         _dump(infos)
     elif not infos:
         from rich.console import Console
+        from rich.markup import escape
 
-        where = root if job is not None else Path(root) / "checkpoints"
-        Console().print(f"no checkpoints in {where} yet", highlight=False)
+        Console().print(escape(_none(root, job)), highlight=False)
     else:
         _table(infos, f"checkpoints in {root}")
     return 0
@@ -137,25 +166,26 @@ def _progress(items: list[Any], what: str, *, quiet: bool) -> Any:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from ..checkpoint import validate_dir
-    from ..checkpoint.format import MANIFEST, SENTINEL, list_step_dirs, parse_step
+    from ..checkpoint.format import list_step_dirs
 
-    path = args.path.expanduser().absolute()
-    if parse_step(path.name) is not None and (
-        (path / MANIFEST).exists() or (path / SENTINEL).exists()
-    ):
-        dirs = [path]
-        where = str(path)
+    path = place(args.path)
+    if path.kind == "step":  # an empty one too: it is reported as a save that never finished
+        dirs = [path.path]
+        where = str(path.path)
+    elif path.kind == "file" and path.path.parent.is_dir() and place(path.path.parent).kind == "step":
+        raise ConfigError(wrong_place(path, takes="a directory",
+                                      instead=f"pass its step dir {path.path.parent} to verify that checkpoint"))
     else:
-        root, _ = _root(path)
-        dirs = [p for _, p in list_step_dirs(root)]
+        root, job = _root(args.path, command="verify")
+        dirs = [p for _, p in list_step_dirs(root.path)]
         where = str(root)
-    if not dirs:
-        raise NoCheckpointError(f"no checkpoints under {where}")
+        if not dirs:
+            raise NoCheckpointError(_none(root, job))
     infos = [validate_dir(p, checksums=True) for p in _progress(dirs, "verifying", quiet=args.json)]
     if args.json:
         _dump(infos)
     else:
-        _table(infos, f"verified {where} (sizes and crc32 checksums)")
+        _table(infos, f"verified {where}: sizes and crc32 checksums")
     bad = [i for i in infos if not i.valid]
     from rich.console import Console
 
@@ -175,8 +205,8 @@ def _pin(args: argparse.Namespace, pin: bool) -> int:
     from ..checkpoint import pin_checkpoint, unpin_checkpoint, validate_dir
     from ..events import EventLog
 
-    root, job = _root(args.jobdir)
-    path = (pin_checkpoint if pin else unpin_checkpoint)(root, args.step)
+    root, job = _root(args.jobdir, command="pin" if pin else "unpin")
+    path = (pin_checkpoint if pin else unpin_checkpoint)(root.path, args.step)
     info = validate_dir(path)
     console = Console()
     console.print(f"{'pinned' if pin else 'unpinned'} {path}", highlight=False)

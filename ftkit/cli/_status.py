@@ -1,7 +1,9 @@
 """``ftkit status JOBDIR``: is my job safe, and what happens if it dies now? One screen.
 
 Reads only files (events log, checkpoints, switch and request files) plus one
-``scontrol show job`` when the events log names a SLURM job; never imports torch.
+``scontrol show job`` when the events log names a SLURM job; never imports torch. The
+checkpoints are where the events log's newest save (load, delete) record puts them, else in
+``JOBDIR/checkpoints``; a checkpoint, a checkpoint root or a file given for JOBDIR is refused.
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, SlurmError
+from ._paths import checkpoint_root, place, wrong_place
 
 __all__ = ["collect_status", "register"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="job state, pending triggers, checkpoints, time left and recent events")
-    p.add_argument("jobdir", type=Path)
+    p.add_argument("jobdir", type=Path, help="the job dir: the directory the job was started with; its "
+                   "checkpoints are found where its events log says they were saved")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--events", type=int, default=10, metavar="N", help="show the last N events")
     p.set_defaults(func=_status)
@@ -74,12 +78,14 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
     from ..lease import lease_status
     from ..triggers.switches import request_files, switch_is_set
 
-    if not Path(jobdir).is_dir():
-        raise ConfigError(f"job dir {jobdir} does not exist; pass the directory the job was started with")
-    job = JobDir.of(jobdir)
+    where = place(jobdir)
+    if where.kind not in ("job", "fresh", "other") or where.job_dirs:
+        raise ConfigError(wrong_place(where))  # a checkpoint, the checkpoints dir, a file, ...
+    job = JobDir.of(where.path)
     now = time.time()
     requests = [_request(path) for path in request_files(job)]
     log = list(read_events(job.events))
+    root = checkpoint_root(job.root, log)
     starts = [e for e in log if e.get("event") == "start"]
     last_start = starts[-1] if starts else None
     exits = [e for e in log if e.get("event") == "exit"]
@@ -88,7 +94,7 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
     save_estimate = max((float(e["seconds"]) for e in saves[-5:]), default=None)
 
     items = []
-    for _, path in list_step_dirs(job.checkpoints):  # newest first; pure file work, no torch
+    for _, path in list_step_dirs(root.path):  # newest first; pure file work, no torch
         info = validate_dir(path)
         items.append({
             "step": info.step, "path": str(info.path), "status": info.status, "valid": info.valid,
@@ -102,7 +108,10 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
     time_left = slurm.get("time_left") if slurm else None
     if time_left is None and deadline is not None and running:
         time_left = float(deadline) - now
-    if newest is None:
+    if newest is None and not root.exists and root.found_in:
+        verdict = (f"cannot tell what the job resumes from: {root} does not exist here (deleted, or on a "
+                   "filesystem not mounted on this machine)")
+    elif newest is None:
         verdict = "no valid checkpoint yet: if the job dies now, it starts from scratch"
     else:
         verdict = f"if the job dies now, it resumes from step {newest['step']}"
@@ -119,6 +128,8 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
         "save_switch": switch_is_set(job, "save"),
         "kill_switch": switch_is_set(job, "kill"),
         "requests": requests,
+        "checkpoint_root": {"path": str(root.path), "found_in": root.found_in or None, "exists": root.exists,
+                            "described": str(root)},
         "checkpoints": items,
         "newest_valid": newest,
         "problems": [c for c in items if not c["valid"]],
@@ -169,7 +180,10 @@ def _status(args: argparse.Namespace) -> int:
         console.print("pending:\n" + "\n".join(f"  {p}" for p in pending))
     else:
         console.print("pending: " + (pending[0] if pending else "nothing"))
-    console.print(f"[bold]{status['verdict']}[/]")
+    console.print(f"[bold]{escape(status['verdict'])}[/]", highlight=False)
+    root = status["checkpoint_root"]
+    if root["found_in"] and root["exists"]:
+        console.print(escape(f"checkpoints in {root['described']}"), highlight=False)
     if status["hang"]:
         from ..control.hangs import describe
 
