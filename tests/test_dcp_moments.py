@@ -29,6 +29,8 @@ PROGRAM = textwrap.dedent("""
     model.aux = torch.nn.Linear(4, 2)
     if how == "frozen" and phase == "save":
         model.aux.requires_grad_(False)
+    if how == "removed" and phase == "load":  # the head was taken out of the model since
+        del model.aux
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     state = {"model": model, "optimizer": opt}
     mgr = make_manager(CheckpointConfig(root=root), rank=rank, world_size=world)
@@ -38,6 +40,14 @@ PROGRAM = textwrap.dedent("""
         mgr.save(1, state)
         if rank == 0:
             torch.save({"opt": opt.state_dict(), "model": model.state_dict()}, f"{root}/expected.pt")
+    elif how == "removed":
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        try:
+            mgr.load(state)
+        except Exception as exc:
+            print(f"refused {rank}: {type(exc).__name__}: {exc}", flush=True)
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+        assert opt.state_dict()["state"] == {}
     else:
         assert mgr.load(state) == 1
         expected = torch.load(f"{root}/expected.pt")
@@ -75,3 +85,16 @@ def test_a_parameter_without_moments_does_not_stop_the_resume(tmp_path: Path, ho
     assert (tmp_path / "step-00000001" / "dcp").is_dir()
     outs = _ranks(tmp_path, load_world, "load", how)
     assert all(f"exact {r}" in out for r, out in enumerate(outs))
+
+
+@pytest.mark.parametrize("load_world", [2, 1])
+def test_a_layer_removed_since_a_dcp_checkpoint_is_refused_not_dropped(tmp_path: Path, load_world: int) -> None:
+    """DCP reads only what the live state asks for: a layer the model no longer has was
+    dropped unseen. Refused now on every rank, naming it, as a one-process checkpoint's load
+    refuses it, and the state stays as built."""
+    _ranks(tmp_path, 2, "save", "removed")
+    outs = _ranks(tmp_path, load_world, "load", "removed")
+    for rank, out in enumerate(outs):
+        said = next((line for line in out.splitlines() if line.startswith(f"refused {rank}: ")), out)
+        assert "CheckpointError" in said and "step-00000001/dcp" in said, said
+        assert "state['model']: aux.weight is in the checkpoint, not in the module (removed since?)" in said, said

@@ -157,7 +157,9 @@ def load_sharded(
     reader = reader if reader is not None else dcp.FileSystemReader(directory / DCP_DIR)
     failed: BaseException | None = None
     try:
-        _without_unsaved_moments(state, target, reader)
+        metadata = reader.read_metadata()
+        _refuse_removed(state, target, metadata, directory)
+        _without_unsaved_moments(state, target, metadata)
         with warnings.catch_warnings():  # no_dist is what we mean, not a fallback to warn about
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
             dcp.load(target, storage_reader=reader, no_dist=True)
@@ -182,7 +184,27 @@ def failure_of(exc: BaseException) -> BaseException:
     return exc
 
 
-def _without_unsaved_moments(state: Mapping[str, Any], target: dict[str, Any], reader: dcp.StorageReader) -> None:
+def _refuse_removed(state: Mapping[str, Any], target: Mapping[str, Any], metadata: Any, directory: Path) -> None:
+    """A module's state the checkpoint has and the live module not (a layer or buffer removed
+    since): DCP loads only what the live state asks for, so it would drop it unseen, where a
+    one-process checkpoint's load refuses it. Refused here too, before anything is read."""
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    removed = []
+    for key, sd in target.items():
+        if not isinstance(state[key], torch.nn.Module) or not isinstance(sd, Mapping):
+            continue
+        saved = {p[1] for p in paths.values() if isinstance(p, tuple) and len(p) == 2 and p[0] == key}
+        removed += [f"state[{key!r}]: {name} is in the checkpoint, not in the module (removed since?)"
+                    for name in sorted(saved - set(sd))]
+    if removed:
+        more = f" and {len(removed) - 3} more" if len(removed) > 3 else ""
+        raise CheckpointError(
+            f"{directory / DCP_DIR} does not fit the live state: {'; '.join(removed[:3])}{more}. The model changed "
+            "since this checkpoint was saved: resume with the model it was saved from, or start the changed one in "
+            "a new job dir (or with checkpoint.resume='never'). Nothing of the checkpoint was loaded")
+
+
+def _without_unsaved_moments(state: Mapping[str, Any], target: dict[str, Any], metadata: Any) -> None:
     """Take out of an optimizer's load target the parameters the checkpoint has no moments for.
 
     ``get_optimizer_state_dict`` gives a fresh optimizer zero moments for every parameter that
@@ -197,7 +219,7 @@ def _without_unsaved_moments(state: Mapping[str, Any], target: dict[str, Any], r
                   and isinstance(sd.get("state"), dict) and sd["state"]]
     if not optimizers:
         return
-    saved = {fqn.rsplit(".", 1)[0] for fqn in reader.read_metadata().state_dict_metadata}
+    saved = {fqn.rsplit(".", 1)[0] for fqn in metadata.state_dict_metadata}
     for key in optimizers:
         moments = target[key]["state"]
         for name in [n for n in moments if f"{key}.state.{n}" not in saved]:
