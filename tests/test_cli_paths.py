@@ -177,6 +177,18 @@ def test_status_ls_verify_and_pin_find_a_checkpoint_root_outside_the_job_dir(tmp
     assert f"no checkpoints in {fast} {recorded}: it does not exist here" in said(cli("ls", str(job)))
 
 
+def test_status_knows_a_root_outside_the_job_dir_before_the_first_save(tmp_path: Path) -> None:
+    """The start event records the checkpoint root: a job that has not saved yet (its first run
+    still training, or killed before a save) is shown with its own root, not JOBDIR/checkpoints."""
+    job, fast = tmp_path / "job", tmp_path / "fast" / "ckpt"
+    config = ftkit.Config(checkpoint=ftkit.CheckpointConfig(root=fast), save_at_end=False)
+    with ftkit.FaultTolerance(job, state={"box": Box()}, config=config):
+        pass
+    status = json.loads(cli("status", "--json", str(job)).stdout)
+    assert status["checkpoint_root"]["path"] == str(fast), status["checkpoint_root"]
+    assert "no valid checkpoint yet" in status["verdict"], status["verdict"]
+
+
 def test_a_copied_job_dir_shows_its_own_checkpoints(demo_job: Path, tmp_path: Path) -> None:
     """The events log keeps the absolute paths of the original: a moved or copied job dir still
     lists its own ``checkpoints/``, not the original's."""

@@ -186,7 +186,8 @@ def checkpoint_root(job: Path, events: Iterable[dict[str, Any]]) -> Root:
     """The checkpoint root the job's runs used.
 
     The parent of the step dir named by the newest event that names one (``save``, ``load``,
-    ``delete``, ...): a ``CheckpointConfig(root=...)`` outside the job dir is found there. But
+    ``delete``, ...), or the ``checkpoint_root`` of a newer ``start`` event: a
+    ``CheckpointConfig(root=...)`` outside the job dir is found there. But
     ``JOBDIR/checkpoints`` when it holds step dirs and the recorded root is gone or is another
     job dir's (this job dir was moved or copied: the log keeps the old absolute paths). Without
     such an event, ``JOBDIR/checkpoints``, or the job dir itself where it holds the step dirs.
@@ -198,12 +199,14 @@ def checkpoint_root(job: Path, events: Iterable[dict[str, Any]]) -> Root:
     for e in events:
         path = e.get("path")
         if isinstance(path, str) and parse_step(Path(path).name) is not None:
-            recorded = Path(path)
+            recorded = Path(path).parent
+        elif e.get("event") == "start" and isinstance(e.get("checkpoint_root"), str):
+            recorded = Path(e["checkpoint_root"])  # the root a run started with, before it saved
     if recorded is None:
         if not default.is_dir() and _is_root(job):
             return Root(job, "the job dir itself holds the step dirs")
         return Root(default)
-    root = recorded.parent if recorded.is_absolute() else job / recorded.parent
+    root = recorded if recorded.is_absolute() else job / recorded
     if _same(root, default):
         return Root(default)
     if list_step_dirs(default):

@@ -204,6 +204,7 @@ class FaultTolerance:
             kill_switch=self._no_save_at_start,
             observer=self._watcher.observer_kind,
             deadline=self.budget.end_time,
+            checkpoint_root=str(root),
             **self.runclock.start_fields(),
         )
         return self
