@@ -75,3 +75,17 @@ def test_retention_never_deletes_an_unreadable_checkpoint(tmp_path: Path) -> Non
     infos.append(CheckpointInfo(step=2, path=tmp_path / "step-00000002", status="corrupt", reason="bad"))
     doomed = {info.step for info, _ in plan_retention(infos, keep_last=1, keep_every=None)}
     assert doomed == {2, 3, 4}
+
+
+def test_a_switch_in_a_job_dir_this_user_may_not_write_names_the_cause(tmp_path: Path) -> None:
+    """``ftkit kill`` by a user who may not write in the job dir: the error says so (it said to
+    remove whatever is in the switch's place), exit 2, and no traceback."""
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "events.jsonl").write_text("")
+    job.chmod(0o555)
+    out = without_override(sys.executable, "-m", "ftkit", "kill", str(job))
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    said = " ".join(out.stderr.split())
+    assert f"this user may not write in {job}" in said and "remove whatever" not in said, said
+    assert not (job / "kill-switch").exists()

@@ -16,6 +16,7 @@ else, so a run and ``ftkit requeue`` must too.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -90,10 +91,12 @@ def touch_switch(job_dir: JobDir | str | os.PathLike[str], which: str) -> Path:
             return path
         fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError as exc:
-        raise ConfigError(
-            f"{path}: cannot touch the {which} switch ({exc.strerror}); remove whatever "
-            "is there so a regular file can be created"
-        ) from exc
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            fix = (f"this user may not write in {jd.root}: run the command as the job's owner (or a user "
+                   "with write access to the job dir)")
+        else:
+            fix = "remove whatever is there so a regular file can be created"
+        raise ConfigError(f"{path}: cannot touch the {which} switch ({exc.strerror}); {fix}") from exc
     try:
         before = os.fstat(fd).st_mtime_ns
         now = max(time.time_ns(), before + 1)
