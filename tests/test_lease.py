@@ -7,6 +7,7 @@ is what a file server does once it has reclaimed a lost node's locks.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -199,6 +200,13 @@ def test_killed_run_on_this_host_is_taken_over_at_once(tmp_path: Path) -> None:
     (pid,) = holding(control)
     first.send_signal(signal.SIGKILL)
     finish([first])
+    # ftkit status says so at once: not running, its holder gone (it said "running, heartbeat 0 s ago")
+    status = subprocess.run([sys.executable, "-m", "ftkit", "status", "--json", str(jobdir)],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    said = json.loads(status.stdout)
+    assert said["running"] is False and said["lease"]["state"] == "dead", said["lease"]
+    assert f"pid {pid} on" in said["lease"]["description"] and "process is gone" in said["lease"]["description"]
     ((rc, err),) = finish(launch(jobdir, tmp_path / "ctl2"))  # stale_after is 600 s
     assert rc == 0, err
     (takeover,) = events(jobdir, "lease-takeover")

@@ -90,6 +90,9 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
     last_start = starts[-1] if starts else None
     exits = [e for e in log if e.get("event") == "exit"]
     running = last_start is not None and (not exits or exits[-1]["time"] < last_start["time"])
+    lease = lease_status(job.root, now=now)
+    if running and lease is not None and lease["state"] in ("dead", "released"):
+        running = False  # its process is gone without an exit event (kill -9, a crash)
     saves = [e for e in log if e.get("event") == "save" and "seconds" in e]
     save_estimate = max((float(e["seconds"]) for e in saves[-5:]), default=None)
 
@@ -123,7 +126,7 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
         "time": now,
         "running": running,
         "slurm": slurm,
-        "lease": lease_status(job.root, now=now),
+        "lease": lease,
         "hang": culprit(log),
         "save_switch": switch_is_set(job, "save"),
         "kill_switch": switch_is_set(job, "kill"),

@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -207,7 +208,8 @@ def pid_alive(pid: int) -> bool:
 
 
 def lease_status(job_dir: str | os.PathLike[str], *, now: float | None = None) -> dict[str, Any] | None:
-    """The lease record as plain data plus ``state`` (``held``, ``stale`` or ``released``),
+    """The lease record as plain data plus ``state`` (``held``, ``stale``, ``released``, or
+    ``dead``: its holder on this host is gone),
     ``heartbeat_age`` and ``description``; None when the job dir has no lease record."""
     job = JobDir.of(job_dir)
     record = LeaseRecord.read(job.lease)
@@ -216,7 +218,12 @@ def lease_status(job_dir: str | os.PathLike[str], *, now: float | None = None) -
     now = time.time() if now is None else now
     age = now - record.heartbeat
     state = "released" if record.released is not None else ("stale" if age > record.stale_after else "held")
-    return {**asdict(record), "state": state, "heartbeat_age": age, "description": record.describe(now)}
+    description = record.describe(now)
+    if state != "released" and record.host == socket.gethostname() and not pid_alive(record.pid):
+        state = "dead"  # kill -9, a crash: the next run on this host takes it over at once
+        description = (f"not released by {record.holder}, whose process is gone (killed or crashed); "
+                       "the next run takes it over at once")
+    return {**asdict(record), "state": state, "heartbeat_age": age, "description": description}
 
 
 def describe_lease(job_dir: str | os.PathLike[str], *, now: float | None = None) -> str | None:
