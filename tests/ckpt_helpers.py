@@ -422,3 +422,16 @@ def native_aio(path) -> str:
     if ctx is None:
         return "the kernel gives no native AIO context"
     return "" if fs is not None else f"the filesystem of {path} does not take asynchronous O_DIRECT reads"
+
+
+class Box:
+    """A stateful object holding one number (``state_dict``/``load_state_dict``)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, sd):
+        self.value = sd["value"]

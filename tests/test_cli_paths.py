@@ -18,7 +18,7 @@ import pytest
 
 import ftkit
 from ftkit.events import read_events
-from tests.ckpt_helpers import REPO, env
+from tests.ckpt_helpers import REPO, Box, env
 
 
 def cli(*args: str, cwd: Path = REPO, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -45,17 +45,6 @@ def demo_job(tmp_path_factory) -> Path:
     r = cli("demo", "--no-live", "--jobdir", str(job), "--steps", "40", "--step-time", "0", "--save-every", "20")
     assert r.returncode == 0 and "finished 40 steps" in r.stdout, r.stdout + r.stderr
     return job
-
-
-class Box:
-    def __init__(self) -> None:
-        self.value = 0
-
-    def state_dict(self):
-        return {"value": self.value}
-
-    def load_state_dict(self, sd):
-        self.value = sd["value"]
 
 
 def train_with_root(job: Path, root: Path) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import ftkit
 from ftkit.events import read_events
+from tests.ckpt_helpers import Box
 from tests.conftest import wait_for
 
 STEPS = 300
@@ -102,17 +103,6 @@ def test_demo_in_a_terminal_save_switch_kill_switch_and_exact_resume(tmp_path: P
     assert "finished" in done.stdout
     assert events(jobdir, "resume")[-1]["step"] == killed["step"]
     assert json.loads((jobdir / "result-rank0.json").read_text())["params_sha256"] == expected
-
-
-class Box:
-    def __init__(self) -> None:
-        self.value = 0
-
-    def state_dict(self):
-        return {"value": self.value}
-
-    def load_state_dict(self, sd):
-        self.value = sd["value"]
 
 
 def test_status_json_with_valid_incomplete_and_corrupt_checkpoints(tmp_path: Path) -> None:
