@@ -17,7 +17,8 @@ from ftkit.checkpoint import validate_dir
 from ftkit.events import read_events
 
 # Trains to STEPS with lr LR, saving every 20; LOAD >= 0: from that checkpoint, by number;
-# HOW: sync, thread (async) or shm (async, crash-safe saver). Prints the weights' checksum.
+# HOW: sync, thread (async), shm (async, crash-safe saver) or shm-periodic (the saver persists
+# the memory snapshots of every 10th step every 20 steps, on_step). Prints the weights' checksum.
 TRAIN = textwrap.dedent("""
     import sys
     from pathlib import Path
@@ -32,9 +33,11 @@ TRAIN = textwrap.dedent("""
     model = torch.nn.Linear(16, 16)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     config = ftkit.Config(
-        budget=ftkit.BudgetConfig(enabled=False), save_every=20,
+        budget=ftkit.BudgetConfig(enabled=False), save_every=None if how == "shm-periodic" else 20,
         checkpoint=CheckpointConfig(keep_last=2, resume=resume),
-        async_save=None if how == "sync" else AsyncConfig(crash_safe=how == "shm"),
+        async_save=None if how == "sync" else AsyncConfig(crash_safe=how != "thread",
+                                                          **({"memory_every": 10, "persist_every": 2}
+                                                             if how == "shm-periodic" else {})),
     )
     state = {"model": model, "optimizer": opt}
     with ftkit.FaultTolerance(jobdir, state=state, config=config) as ft:
@@ -64,7 +67,7 @@ def steps_in(path: Path) -> list[str]:
     return sorted(p.name for p in path.glob("step-*"))
 
 
-@pytest.mark.parametrize("how", ["sync", "thread", "shm"])
+@pytest.mark.parametrize("how", ["sync", "thread", "shm", "shm-periodic"])
 def test_a_rollback_sets_the_later_history_aside_and_keeps_its_own(tmp_path: Path, how: str) -> None:
     job, root = tmp_path / "job", tmp_path / "job" / "checkpoints"
     train(job, 60, how=how)

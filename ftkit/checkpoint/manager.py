@@ -195,12 +195,22 @@ class Checkpointer(CheckpointManager):
         snap.nbytes += nbytes
         return snap
 
+    def set_aside_fork(self) -> None:
+        """Before this run's first save or snapshot after a load of a step by number (or a fresh
+        start): the root's later checkpoints go aside (:meth:`Committer.set_aside_fork`), on
+        rank 0, every rank waiting for it and raising if it failed. Every rank calls it (the
+        trainer's main thread, before anything of the save is written or handed over)."""
+        if self.commits.forked:
+            self.comm.on_rank0(self.commits.set_aside_fork, f"setting aside later checkpoints in {self.root}")
+            self.commits.unfork()
+
     def persist(
         self, snapshot: Snapshot, step: int, *, pin: bool = False, reason: str | None = None
     ) -> CheckpointInfo:
         """Write ``snapshot`` as checkpoint ``step`` with the full commit protocol (stage 2)."""
         if not isinstance(step, int) or step < 0:
             raise CheckpointError(f"checkpoint step must be a non-negative int, got {step!r}")
+        self.set_aside_fork()
         commits = self.commits
         started = time.monotonic()
         progress = WriteProgress()
@@ -264,6 +274,7 @@ class Checkpointer(CheckpointManager):
         Returns the restored step, or None for a fresh start. Honours ``config.resume``.
         Invalid checkpoints are skipped, newest first, each with a warning and a ``skip`` event.
         """
+        self.commits.unfork()  # the last load decides where this run goes on from
         if step is None and self.config.resume == "never":
             log.info("checkpoint.resume is 'never': starting fresh")
             self.commits.fork(None)  # the root's checkpoints are another history's
@@ -277,8 +288,8 @@ class Checkpointer(CheckpointManager):
         fresh = [v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state]
         try:
             restored = self._load(state, step, began)
-            if step is not None and any(s > step for s, _ in list_step_dirs(self.root)):
-                self.commits.fork(step)  # a step before the newest, asked for: a history goes on from it
+            if step is not None:  # a step asked for: a history goes on from it (later ones go aside)
+                self.commits.fork(step)
             return restored
         except BaseException:
             for optimizer in fresh:
@@ -612,7 +623,8 @@ class Checkpointer(CheckpointManager):
                 if sharded:  # each rank reads its part alone; the ranks agree before it is set
                     load_sharded(live, keys, path, reader=reader,
                                  agree=(lambda failed: self._agree_read(failed, path / DCP_DIR))
-                                 if self.comm.distributed else None)
+                                 if self.comm.distributed else None,
+                                 common=self._common if self.comm.distributed else None)
                 else:  # a one-process checkpoint: every rank reads the full state dicts
                     load_full(live, keys, payload["state"], str(path))
             except BaseException as exc:  # DCP's CheckpointException is a BaseException
@@ -693,6 +705,16 @@ class Checkpointer(CheckpointManager):
         if not agreed:  # read without asking (no in-place parse): nothing reached the live tensors
             agreed.append(self.comm.first_problem(""))
         return payload
+
+    def _common(self, found: list[str] | None) -> list[str]:
+        """What every rank found (None: a rank could not tell, so nothing): one flag unless some
+        rank found something, then one gather."""
+        if not self.comm.anyone(bool(found)):
+            return []
+        every = self.comm.gather(found)
+        if any(f is None for f in every):
+            return []
+        return sorted(set.intersection(*(set(f) for f in every if f is not None)))
 
     def _agree_read(self, failed: BaseException | None, where: Path) -> None:
         """After every rank read its part of a DCP checkpoint (``failed``: this rank's failure):

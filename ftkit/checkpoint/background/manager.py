@@ -163,6 +163,7 @@ class AsyncCheckpointer(CheckpointManager):
         cfg = self.async_config
         if cfg.memory_every is None or step % cfg.memory_every:
             return False
+        self.checkpointer.set_aside_fork()  # before a snapshot the crash-safe saver may persist
         persist = cfg.persist_due(step)
         self._snapshot_now(step, state, persist=persist, pin=False,
                    reason=f"periodic (persist every {cfg.persist_period} steps)" if persist else None)
@@ -176,7 +177,7 @@ class AsyncCheckpointer(CheckpointManager):
         self._raise_pending()
         # a load of an older step: the later checkpoints go aside here, in the trainer, whichever
         # process persists (the crash-safe saver's committer never loaded anything)
-        self.checkpointer.commits.set_aside_fork()
+        self.checkpointer.set_aside_fork()
         newest = self._newest
         if newest is not None and newest.step == step and not newest.busy:
             if newest.in_flight or newest.durable:
@@ -192,6 +193,10 @@ class AsyncCheckpointer(CheckpointManager):
             reason="being persisted in the background; wait() returns once it is durable",
             pinned=pin, saved_for=reason,
         )
+
+    def pin(self, step: int) -> None:
+        """Pin the durable checkpoint ``step`` (retention keeps it); rank 0 writes the marker."""
+        self.checkpointer.pin(step)
 
     def pending_error(self) -> CheckpointError | None:
         """The failure of a background save not yet reported, handed over once (then cleared)."""

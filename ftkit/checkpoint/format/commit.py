@@ -195,28 +195,38 @@ class Committer:
             self._in_progress.discard(step)
 
     def fork(self, base: int | None) -> None:
-        """This run goes on from checkpoint ``base`` (None: from nothing) although the root holds
-        later steps: a step loaded by number, or ``resume='never'``. Those later checkpoints are
-        of another history; before this run's first save they are set aside
-        (:meth:`set_aside_fork`), so that a later resume takes this run's checkpoints, not theirs,
-        and none of this run's saves is taken for one of them."""
+        """This run goes on from checkpoint ``base`` (None: from nothing), a step loaded by number
+        or ``resume='never'``: the root's later checkpoints, if any, are of another history.
+        Before this run's first save or snapshot they are set aside (:meth:`set_aside_fork`),
+        so that a later resume takes this run's checkpoints, not theirs, and none of this run's
+        saves is taken for one of them. Set the same way on every rank; a later load replaces it."""
         self._fork = -1 if base is None else base
 
+    def unfork(self) -> None:
+        self._fork = None
+
+    @property
+    def forked(self) -> bool:
+        """A :meth:`fork` whose checkpoints are not set aside yet."""
+        return self._fork is not None
+
     def set_aside_fork(self) -> Path | None:
-        """Before the first save after :meth:`fork` (rank 0): move every step directory after
-        the fork's base into ``ROOT/set-aside-<UTC time>-after-step-N/`` (nothing is deleted;
-        resume, retention and ``ftkit ls`` see only the root's own step directories). The
-        directory it made, or None."""
-        base, self._fork = self._fork, None
+        """Rank 0, before the first save or snapshot after :meth:`fork`: move every step
+        directory after the fork's base into ``ROOT/set-aside-<UTC time>-after-step-N/``
+        (nothing is deleted; resume, retention and ``ftkit ls`` see only the root's own step
+        directories). The directory it made, or None. The fork stays pending if a move fails
+        (CheckpointError), so no save of this run mixes with the other history."""
+        base = self._fork
         if base is None or self.rank != 0:
             return None
         later = [path for step, path in list_step_dirs(self.root) if step > base]
         if not later:
+            self._fork = None
             return None
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self._clock()))
         aside = self.root / (f"set-aside-{stamp}" + (f"-after-{step_name(base)}" if base >= 0 else ""))
         try:
-            os.mkdir(aside)
+            os.makedirs(aside, exist_ok=True)
             for path in sorted(later):
                 os.rename(path, aside / path.name)
             fsync_dir(aside)
@@ -225,12 +235,15 @@ class Committer:
             raise CheckpointError(
                 f"cannot set aside the checkpoints after step {base} in {self.root} (this run does not go on "
                 f"from them) into {aside}: {exc.strerror or exc}; move them out of {self.root} by hand") from exc
+        self._fork = None
+        steps = [parse_step(p.name) for p in sorted(later)]
+        self._failed.difference_update(s for s in steps if s is not None)
         names = ", ".join(path.name for path in sorted(later))
         since = f"from step {base}" if base >= 0 else "fresh (checkpoint.resume='never')"
         log.warning("this run went on %s, so the later checkpoints of another history (%s) were moved to %s: "
                     "resume takes this run's checkpoints now; delete that directory once it is not wanted",
                     since, names, aside)
-        self._emit("set-aside", step=base if base >= 0 else None, path=str(aside), steps=[parse_step(p.name) for p in sorted(later)])
+        self._emit("set-aside", step=base if base >= 0 else None, path=str(aside), steps=steps)
         return aside
 
     def prepare(self, step: int, *, pin: bool) -> CheckpointInfo | None:
