@@ -43,7 +43,7 @@ from ..errors import CheckpointError
 from .format.layout import DCP_DIR
 from .io.files import CHECKSUM, crc32_file, fsync_dir
 from .state.keys import match_keys
-from .state.restore import clone_tensors
+from .state.restore import clone_tensors, loaded_by_torch
 
 __all__ = [
     "failure_of",
@@ -139,6 +139,7 @@ def saved_keys(directory: Path, reader: dcp.StorageReader | None = None) -> set[
 def load_sharded(
     state: Mapping[str, Any], keys: frozenset[str], directory: Path, *,
     reader: dcp.StorageReader | None = None, agree: Callable[[BaseException | None], None] | None = None,
+    common: Callable[[list[str] | None], list[str]] | None = None,
 ) -> None:
     """Load ``keys`` of ``state`` in place from ``directory/dcp``.
 
@@ -150,23 +151,38 @@ def load_sharded(
     failed: nothing is set into the live modules and optimizers before every rank read its
     part (setting an FSDP model's state may be collective). ``reader``: the storage reader
     (``dcp.FileSystemReader`` of ``directory/dcp`` when None; see
-    :class:`ftkit.checkpoint.dcp_reader.StreamingReader`).
+    :class:`ftkit.checkpoint.dcp_reader.StreamingReader`). ``common(found)``, with several
+    ranks: called on every rank with what it found removed from its modules (None: it could
+    not tell), returns what every rank found (a layer no rank holds any more).
     """
     options = StateDictOptions()
     target = live_state_dicts(state, keys, options)
     reader = reader if reader is not None else dcp.FileSystemReader(directory / DCP_DIR)
     failed: BaseException | None = None
+    removed: list[str] | None = None  # None: this rank could not tell
     try:
         metadata = reader.read_metadata()
-        _refuse_removed(state, target, metadata, directory)
+        removed = _removed(state, target, metadata)
         _without_unsaved_moments(state, target, metadata)
-        with warnings.catch_warnings():  # no_dist is what we mean, not a fallback to warn about
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            dcp.load(target, storage_reader=reader, no_dist=True)
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if agree is None or isinstance(failure_of(exc), (KeyboardInterrupt, SystemExit)):
             raise
         failed = exc
+    if common is not None:  # every rank, whatever it found: one collective
+        removed = common(removed)
+    if removed and failed is None:
+        failed = CheckpointError(_removed_message(removed, directory))
+        if agree is None:
+            raise failed
+    if failed is None:
+        try:
+            with warnings.catch_warnings():  # no_dist is what we mean, not a fallback to warn about
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+                dcp.load(target, storage_reader=reader, no_dist=True)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            if agree is None or isinstance(failure_of(exc), (KeyboardInterrupt, SystemExit)):
+                raise
+            failed = exc
     if agree is not None:
         agree(failed)
     _set(state, keys, target, options)
@@ -184,22 +200,28 @@ def failure_of(exc: BaseException) -> BaseException:
     return exc
 
 
-def _refuse_removed(state: Mapping[str, Any], target: Mapping[str, Any], metadata: Any, directory: Path) -> None:
-    """A module's state the checkpoint has and the live module not (a layer or buffer removed
-    since): DCP loads only what the live state asks for, so it would drop it unseen, where a
-    one-process checkpoint's load refuses it. Refused here too, before anything is read."""
+def _removed(state: Mapping[str, Any], target: Mapping[str, Any], metadata: Any) -> list[str]:
+    """A module's state the checkpoint has and this rank's live module not (a layer or buffer
+    removed since): DCP loads only what the live state asks for, so it would drop it unseen,
+    where a one-process checkpoint's load refuses it. A key owned by a module with its own
+    ``_load_from_state_dict`` is left to it. With several ranks only a key no rank's module has
+    is refused (``load_sharded``'s ``common``): a pipeline stage holds part of the model."""
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     removed = []
     for key, sd in target.items():
-        if not isinstance(state[key], torch.nn.Module) or not isinstance(sd, Mapping):
+        live = state[key]
+        if not isinstance(live, torch.nn.Module) or not isinstance(sd, Mapping):
             continue
+        modules = dict(live.named_modules(remove_duplicate=False))
         saved = {p[1] for p in paths.values() if isinstance(p, tuple) and len(p) == 2 and p[0] == key}
         removed += [f"state[{key!r}]: {name} is in the checkpoint, not in the module (removed since?)"
-                    for name in sorted(saved - set(sd))]
-    if removed:
-        more = f" and {len(removed) - 3} more" if len(removed) > 3 else ""
-        raise CheckpointError(
-            f"{directory / DCP_DIR} does not fit the live state: {'; '.join(removed[:3])}{more}. The model changed "
+                    for name in sorted(saved - set(sd)) if loaded_by_torch(modules, name)]
+    return removed
+
+
+def _removed_message(removed: list[str], directory: Path) -> str:
+    more = f" and {len(removed) - 3} more" if len(removed) > 3 else ""
+    return (f"{directory / DCP_DIR} does not fit the live state: {'; '.join(removed[:3])}{more}. The model changed "
             "since this checkpoint was saved: resume with the model it was saved from, or start the changed one in "
             "a new job dir (or with checkpoint.resume='never'). Nothing of the checkpoint was loaded")
 
@@ -219,7 +241,10 @@ def _without_unsaved_moments(state: Mapping[str, Any], target: dict[str, Any], m
                   and isinstance(sd.get("state"), dict) and sd["state"]]
     if not optimizers:
         return
-    saved = {fqn.rsplit(".", 1)[0] for fqn in metadata.state_dict_metadata}
+    saved = set()  # every dotted prefix of a saved key: a parameter's moments may nest (dicts in its state)
+    for fqn in metadata.state_dict_metadata:
+        parts = fqn.split(".")
+        saved.update(".".join(parts[:i]) for i in range(1, len(parts)))
     for key in optimizers:
         moments = target[key]["state"]
         for name in [n for n in moments if f"{key}.state.{n}" not in saved]:

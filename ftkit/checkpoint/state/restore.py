@@ -30,6 +30,7 @@ __all__ = [
     "clone_tensors",
     "key_mismatches",
     "live_targets",
+    "loaded_by_torch",
     "on_gpu",
     "optimizer_homes",
     "own_tensors",
@@ -183,7 +184,7 @@ def shape_mismatches(state: Mapping[str, Any], saved: Mapping[str, Any]) -> list
     return found
 
 
-def _torchs(modules: Mapping[str, torch.nn.Module], name: str) -> bool:
+def loaded_by_torch(modules: Mapping[str, torch.nn.Module], name: str) -> bool:
     """Whether the module that owns the state key ``name`` loads it with torch's own code."""
     parts = name.split(".")
     for i in range(len(parts) - 1, -1, -1):
@@ -210,13 +211,13 @@ def key_mismatches(state: Mapping[str, Any], saved: Mapping[str, Any]) -> list[s
                     getattr(m, "_load_state_dict_pre_hooks", None) or getattr(m, "_load_state_dict_post_hooks", None)
                     for m in live.modules()):
                 continue
-            modules = dict(live.named_modules())
+            modules = dict(live.named_modules(remove_duplicate=False))
             mine = set(live.state_dict())
             for name in sorted(mine - set(theirs)):
-                if _torchs(modules, name):
+                if loaded_by_torch(modules, name):
                     found.append(f"state[{key!r}]: {name} is not in the checkpoint (added since?)")
             for name in sorted(n for n in theirs if isinstance(n, str) and n not in mine):
-                if _torchs(modules, name):
+                if loaded_by_torch(modules, name):
                     found.append(f"state[{key!r}]: {name} is in the checkpoint, not in the module (removed since?)")
         elif isinstance(live, torch.optim.Optimizer) and isinstance(theirs, Mapping):
             if (type(live).load_state_dict is not torch.optim.Optimizer.load_state_dict
