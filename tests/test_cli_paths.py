@@ -273,3 +273,18 @@ def test_a_file_the_cli_may_not_read_is_an_error_naming_it_not_a_traceback(demo_
         assert verbose.returncode == 1 and "Traceback" in verbose.stderr, verbose.stderr
     finally:
         checkpoints.chmod(0o755)
+
+
+def test_a_trap_s_request_reaches_a_job_dir_below_a_directory_that_looks_like_one(tmp_path: Path) -> None:
+    """A job dir not started yet, below a directory that an ftkit job once used as its job dir
+    (``$HOME`` with an events log, say): ``ftkit request`` (a batch script's trap) writes the
+    request there, where the job will look; ``ftkit kill`` typed by a person asks for --force."""
+    home = tmp_path / "home"
+    (home / "runs" / "x").mkdir(parents=True)
+    (home / "events.jsonl").write_text("")
+    job = home / "runs" / "x"
+    (job / "data.txt").write_text("the user's own file")
+    assert refused(cli("kill", str(job))) and not (job / "kill-switch").exists()
+    out = cli("request", "requeue", str(job), "--reason", "SIGUSR1 from SLURM")
+    assert out.returncode == 0, out.stderr
+    assert [p.parent for p in (job / "requests").iterdir()] == [job / "requests"]

@@ -169,6 +169,13 @@ def test_a_second_job_dir_on_the_same_checkpoint_root_is_refused_while_the_first
     assert rc == 0, err
     assert (root / "job-dir").read_text().strip() == str(second_dir.resolve())
 
+    # the job dir moved, a link left at its old path: still the same job dir, never refused
+    moved = tmp_path / "b-moved"
+    second_dir.rename(moved)
+    second_dir.symlink_to(moved)
+    ((rc, err),) = finish(launch(moved, tmp_path / "ctl4", "--root", str(root)), timeout=120)
+    assert rc == 0, err
+
 
 def test_in_process_second_controller_is_refused_without_dropping_the_lock(tmp_path: Path) -> None:
     """fcntl locks belong to the process: a second FaultTolerance in it must not close the file."""

@@ -89,3 +89,20 @@ def test_a_switch_in_a_job_dir_this_user_may_not_write_names_the_cause(tmp_path:
     said = " ".join(out.stderr.split())
     assert f"this user may not write in {job}" in said and "remove whatever" not in said, said
     assert not (job / "kill-switch").exists()
+
+
+def test_a_manifest_that_is_a_directory_is_corrupt_not_unreadable(tmp_path: Path) -> None:
+    """Only errors that say the process may not or cannot look (permissions, I/O, a network
+    filesystem) make a checkpoint unreadable; a broken layout stays corrupt, and a resume
+    falls back past it."""
+    root = tmp_path / "ck"
+    mgr = make_mgr(root, keep_last=None)
+    for step in (1, 2):
+        mgr.save(step, small_state(step))
+    manifest = root / "step-00000002" / "manifest.json"
+    manifest.unlink()
+    manifest.mkdir()
+    info = validate_dir(root / "step-00000002")
+    assert info.status == "corrupt" and "Is a directory" in info.reason, info
+    state = small_state()
+    assert make_mgr(root).load(state) == 1 and state["extra"]["value"] == 1

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..jobdir import REQUESTS
 from ._paths import Place, place, wrong_place
 
 __all__ = ["register"]
@@ -61,9 +62,12 @@ def _jobdir(args: argparse.Namespace) -> Place:
     where = place(args.jobdir)
     if where.kind in ("job", "fresh") or (args.force and where.kind in ("other", "inside")):
         return where
-    if args.func is _request and where.kind == "other" and not where.job_dirs:
+    own = where.kind == "inside" and where.path.parent == where.job and where.path.name in (REQUESTS, "heartbeats")
+    if args.func is _request and where.kind in ("other", "inside") and not where.job_dirs and not own:
         # a batch script's trap: the training may have written its own files into the job dir
-        # before ftkit started in it; a request refused there would lose a requeue
+        # before ftkit started in it, and a job dir not started yet may lie below a directory
+        # that looks like a job dir (one with a checkpoints/ of its own); a request refused
+        # there would lose a requeue (a job dir's own requests/ is refused: a slip)
         return where
     if getattr(args, "clear", False) and where.kind in ("other", "inside"):
         return where  # nothing is written: at worst "no kill-switch in ..."

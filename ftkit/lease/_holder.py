@@ -175,34 +175,59 @@ class Lease:
         dir that last ran on it. Another job dir whose run holds its lease now (a copied job
         dir, or a script that names the same absolute root) refuses this run, which has changed
         nothing: two runs on one root delete each other's saves in progress and mix their
-        histories, and the job dir's lease alone cannot see it."""
+        histories, and the job dir's lease alone cannot see it. The check and the write hold
+        ``ROOT/job-dir.lock``, so two job dirs starting at once do not both pass. A root this
+        run cannot write (read only) or another job dir it may not read is only warned about."""
         root = self.checkpoint_root
         if root is None:
             return
         mine = self.job.root.resolve()
         owner_file = root / ROOT_OWNER
         try:
-            other = Path(owner_file.read_text().strip())
-        except FileNotFoundError:
-            other = None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read {owner_file}, the job dir that uses checkpoint root {root}: {exc}") from exc
-        if other is not None and other != mine and other.is_dir():
-            held = LeaseRecord.read(JobDir.of(other).lease)
-            now = self._clock()
-            live = (held is not None and held.released is None
-                    and now - held.heartbeat <= max(held.stale_after, self.config.stale_after)
-                    and not (held.host == self.record.host and not pid_alive(held.pid)))
-            if live:
+            root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(root / f"{ROOT_OWNER}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            log.warning("cannot claim checkpoint root %s for job dir %s (%s): another job dir's run on it "
+                        "would go unseen", root, mine, exc.strerror or exc)
+            return
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX)
+            try:
+                other = Path(owner_file.read_text().strip())
+            except FileNotFoundError:
+                other = None
+            if other is not None and self._runs_elsewhere(other, mine):
+                held = LeaseRecord.read(JobDir.of(other).lease)
                 assert held is not None
                 raise JobDirBusyError(
                     f"checkpoint root {root} is in use by the run of another job dir, {other} ({held.holder}; "
                     f"see {owner_file}): two runs must not write one checkpoint root. Give this job dir "
                     f"({mine}) a checkpoint.root of its own, or stop that run first. This run changed nothing",
                     held)
-        if other != mine:
-            root.mkdir(parents=True, exist_ok=True)
-            atomic_write(owner_file, f"{mine}\n".encode())
+            if other != mine:
+                atomic_write(owner_file, f"{mine}\n".encode())
+        except (OSError, UnicodeDecodeError) as exc:
+            log.warning("cannot claim checkpoint root %s for job dir %s (%s): another job dir's run on it "
+                        "would go unseen", root, mine, getattr(exc, "strerror", None) or exc)
+        finally:
+            os.close(fd)  # drops the lock
+
+    def _runs_elsewhere(self, other: Path, mine: Path) -> bool:
+        """Whether ``other``, named by a checkpoint root's ``job-dir``, is another job dir than
+        ``mine`` (not the same one under another path) whose run holds its lease now."""
+        try:
+            if not other.is_dir() or os.path.samefile(other, mine):
+                return False
+            held = LeaseRecord.read(JobDir.of(other).lease)
+        except OSError as exc:
+            log.warning("cannot tell whether job dir %s, which last used this checkpoint root, runs now: %s",
+                        other, exc.strerror or exc)
+            return False
+        if held is None or held.released is not None:
+            return False
+        if held.host == self.record.host and (held.pid == self.record.pid or not pid_alive(held.pid)):
+            return False
+        return self._clock() - held.heartbeat <= max(held.stale_after, self.config.stale_after)
 
     def _open_with_mutex(self, path: Path) -> int:
         """Open the current ``lease.lock`` with byte 1 (the mutex) locked."""

@@ -15,6 +15,7 @@ result.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -174,6 +175,12 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
+_CANNOT_LOOK = {errno.EACCES, errno.EPERM, errno.EIO, errno.ETIMEDOUT, errno.ENOTCONN, errno.EHOSTDOWN,
+                errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENOLINK, errno.EREMOTEIO}
+"""Errors that say this process may not or cannot look now (permissions, an I/O or network
+filesystem error), not that the checkpoint is bad: such a checkpoint is ``unreadable``."""
+
+
 def _exists(path: Path) -> bool:
     """Whether ``path`` exists (not following a link); an error other than its absence raises."""
     try:
@@ -192,8 +199,8 @@ def _unreadable(exc: OSError, where: Path) -> str:
 def validate_dir(path: str | os.PathLike[str], *, checksums: bool = False) -> CheckpointInfo:
     """Describe the checkpoint directory ``path``; never raises for a bad checkpoint.
 
-    ``unreadable``: an error other than a missing file (permission denied, an I/O or network
-    filesystem error) kept this process from looking: the checkpoint is not known to be bad, so
+    ``unreadable``: an error such as permission denied, an I/O or a network filesystem error
+    kept this process from looking: the checkpoint is not known to be bad, so
     a load stops rather than fall back past it and nothing deletes it."""
     path = Path(path)
     step = parse_step(path.name)
@@ -217,6 +224,8 @@ def validate_dir(path: str | os.PathLike[str], *, checksums: bool = False) -> Ch
     except FileNotFoundError as exc:  # gone meanwhile (retention, a person)
         return info("corrupt", f"{exc.filename or path} vanished")
     except OSError as exc:
+        if exc.errno not in _CANNOT_LOOK:  # a manifest that is a directory, a link loop, ...
+            return info("corrupt", f"{exc.filename or path}: {exc.strerror or exc}")
         return info("unreadable", _unreadable(exc, path))
     except ValueError as exc:
         return info("corrupt", str(exc))
@@ -241,6 +250,8 @@ def validate_dir(path: str | os.PathLike[str], *, checksums: bool = False) -> Ch
         except FileNotFoundError:
             return info("corrupt", f"{name} is missing", **common)
         except OSError as exc:
+            if exc.errno not in _CANNOT_LOOK:
+                return info("corrupt", f"cannot stat {name}: {exc.strerror or exc}", **common)
             return info("unreadable", _unreadable(exc, path / name), **common)
         if not stat.S_ISREG(fst.st_mode):
             return info("corrupt", f"{name} is not a regular file", **common)
