@@ -43,7 +43,7 @@ from ..errors import CheckpointError
 from .format.layout import DCP_DIR
 from .io.files import CHECKSUM, crc32_file, fsync_dir
 from .state.keys import match_keys
-from .state.restore import clone_tensors, loaded_by_torch
+from .state.restore import clone_tensors, loaded_by_torch, misfit
 
 __all__ = [
     "failure_of",
@@ -171,7 +171,7 @@ def load_sharded(
     if common is not None:  # every rank, whatever it found: one collective
         removed = common(removed)
     if removed and failed is None:
-        failed = CheckpointError(_removed_message(removed, directory))
+        failed = CheckpointError(misfit(directory / DCP_DIR, removed))
         if agree is None:
             raise failed
     if failed is None:
@@ -217,13 +217,6 @@ def _removed(state: Mapping[str, Any], target: Mapping[str, Any], metadata: Any)
         removed += [f"state[{key!r}]: {name} is in the checkpoint, not in the module (removed since?)"
                     for name in sorted(saved - set(sd)) if loaded_by_torch(modules, name)]
     return removed
-
-
-def _removed_message(removed: list[str], directory: Path) -> str:
-    more = f" and {len(removed) - 3} more" if len(removed) > 3 else ""
-    return (f"{directory / DCP_DIR} does not fit the live state: {'; '.join(removed[:3])}{more}. The model changed "
-            "since this checkpoint was saved: resume with the model it was saved from, or start the changed one in "
-            "a new job dir (or with checkpoint.resume='never'). Nothing of the checkpoint was loaded")
 
 
 def _without_unsaved_moments(state: Mapping[str, Any], target: dict[str, Any], metadata: Any) -> None:

@@ -49,6 +49,7 @@ from .state.restore import (
     SetAside,
     key_mismatches,
     live_targets,
+    misfit,
     on_gpu,
     own_tensors,
     reachable_tensors,
@@ -64,13 +65,6 @@ log = logging.getLogger(__name__)
 # a rank's problem that fails the load on every rank (raised: a refusal to load it, a read that
 # failed not for the file's sake), not a broken file (skipped)
 _REFUSED = "\x00refused\x00"
-
-
-def _misfit(where: Path, misfits: list[str]) -> str:
-    more = f" and {len(misfits) - 3} more" if len(misfits) > 3 else ""
-    return (f"{where} does not fit the live state: {'; '.join(misfits[:3])}{more}. The model changed since "
-            "this checkpoint was saved: resume with the model it was saved from, or start the changed one "
-            "in a new job dir (or with checkpoint.resume='never'). Nothing of the checkpoint was loaded")
 
 
 def _local_ranks(world_size: int) -> int:
@@ -650,7 +644,7 @@ class Checkpointer(CheckpointManager):
                     saved[key] = match_keys(saved[key], list(value.state_dict()), f"{path}: state[{key!r}]")
             misfits = shape_mismatches(live, saved) + key_mismatches(live, saved)  # nothing read in (_targets)
             if misfits:
-                raise CheckpointError(_misfit(path / name, misfits))
+                raise CheckpointError(misfit(path / name, misfits))
         # the payload's tensors are views of the read buffer: what a live object keeps is copied
         # (unless each was read into a live tensor or memory of its own: read_state_into)
         restore_state(rest, saved if payload.get("owned") else own_tensors(rest, saved))

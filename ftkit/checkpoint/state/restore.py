@@ -31,6 +31,7 @@ __all__ = [
     "key_mismatches",
     "live_targets",
     "loaded_by_torch",
+    "misfit",
     "on_gpu",
     "optimizer_homes",
     "own_tensors",
@@ -182,6 +183,15 @@ def shape_mismatches(state: Mapping[str, Any], saved: Mapping[str, Any]) -> list
                     found.append(f"state[{key!r}]: {prefix + '.' if prefix else ''}{name} is {list(other.shape)} "
                                  f"in the checkpoint, {list(tensor.shape)} in the module")
     return found
+
+
+def misfit(where: Any, misfits: list[str]) -> str:
+    """The refusal of a checkpoint ``where`` whose tensors or keys do not fit the live state
+    (:func:`shape_mismatches`, :func:`key_mismatches`, a DCP load's removed layers)."""
+    more = f" and {len(misfits) - 3} more" if len(misfits) > 3 else ""
+    return (f"{where} does not fit the live state: {'; '.join(misfits[:3])}{more}. The model changed since "
+            "this checkpoint was saved: resume with the model it was saved from, or start the changed one "
+            "in a new job dir (or with checkpoint.resume='never'). Nothing of the checkpoint was loaded")
 
 
 def loaded_by_torch(modules: Mapping[str, torch.nn.Module], name: str) -> bool:
