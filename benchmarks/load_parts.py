@@ -26,7 +26,10 @@ and ``Checkpointer.load`` of it into:
 * ``gpu``: the state on the GPU (the default: pinned staging, four placing threads);
   ``gpu w1``, ``gpu w2``: one or two placing threads; ``gpu 2x4``: four reads in flight;
   ``gpu registered``: staging in huge pages registered with CUDA; ``gpu lean``: each copy
-  queued without asking the CUDA runtime for the thread's current device first (one GPU).
+  queued without asking the CUDA runtime for the thread's current device first (one GPU);
+  ``gpu switch``, ``cpu emulated switch``: ``gpu`` and ``cpu emulated`` with the GIL's switch
+  interval at 0.2 ms instead of 5 ms (a thread back from a read's completion waits less for the
+  GIL another holds).
 
 Each load's parts are timed by wrapping ftkit's functions for the measurement: ``read`` (the
 state file's read, from open to its CRC-32 checked and its copies done; the rest of the load
@@ -190,6 +193,10 @@ class _EmulatedFence:
         self._done.wait()
 
 
+SWITCH = 0.0002  # the "switch" kinds' sys.setswitchinterval (default 0.005): a thread back from a
+# blocking call (a read's completion) waits less for the GIL held by another
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gb", type=float, default=1.0, help="state size in GB (model + Adam moments)")
@@ -242,8 +249,11 @@ def main() -> int:
 
     def load(state: dict[str, Any], shape: str | None = None, placers: int | None = None,
              staging: str = "pinned", lean: bool = False, huge: bool = False,
-             emulated: str | None = None) -> float:
+             emulated: str | None = None, switch: float | None = None) -> float:
+        interval = sys.getswitchinterval()
         try:
+            if switch is not None:
+                sys.setswitchinterval(switch)
             switches["lean"] = lean
             if huge:  # staged as in a process without CUDA
                 _device.wanted = lambda: False
@@ -261,20 +271,23 @@ def main() -> int:
             cs._sync()
             return time.perf_counter() - t
         finally:
+            sys.setswitchinterval(interval)
             set_shape(*default)
             _reader.WORKERS, _device.STAGING, _device.wanted = workers, staging0, wanted
             _statefile.load_copies, _statefile.destination = load_copies, destination
 
     kinds: dict[str, Callable[[], float]] = {
         "raw1": lambda: cs._raw_read(files, buf), "raw4": lambda: cs._raw_read(files, buf, depth=4),
-        "cpu": lambda: load(host), "cpu emulated": lambda: load(host, emulated="huge")}
+        "cpu": lambda: load(host), "cpu emulated": lambda: load(host, emulated="huge"),
+        "cpu emulated switch": lambda: load(host, emulated="huge", switch=SWITCH)}
     if cuda:
         kinds |= {"cpu hugepages": lambda: load(host, huge=True), "cpu 2x4": lambda: load(host, "2x4"),
                   "cpu emulated pinned": lambda: load(host, emulated="pinned"),
                   "gpu": lambda: load(live), "gpu w1": lambda: load(live, placers=1),
                   "gpu w2": lambda: load(live, placers=2), "gpu 2x4": lambda: load(live, "2x4"),
                   "gpu registered": lambda: load(live, staging="registered"),
-                  "gpu lean": lambda: load(live, lean=True)}
+                  "gpu lean": lambda: load(live, lean=True),
+                  "gpu switch": lambda: load(live, switch=SWITCH)}
     if args.kinds:
         wanted_kinds = ["raw1", "raw4", *(k for k in args.kinds.split(",") if k and k not in ("raw1", "raw4"))]
         unknown = [k for k in wanted_kinds if k not in kinds]

@@ -310,3 +310,50 @@ def test_a_one_process_gpu_checkpoint_loads_on_two_ddp_ranks_on_the_gpu(tmp_path
         for pid, st in got["optimizer"]["state"].items():
             assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(want["optimizer"]["state"][pid][k]).cpu())
                        for k, v in st.items()), (rank, pid)
+
+
+def _cpu_state(seed: int, *, head_on_gpu: bool) -> dict:
+    """``_cuda_state``'s model and Adam state in host memory (its last layer on the GPU where
+    ``head_on_gpu``: a state partly offloaded to the CPU)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8))
+    if head_on_gpu:
+        model[2].cuda()
+        model[1].register_forward_hook(lambda m, i, out: out.cuda())
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(16, 512)).pow(2).mean().backward()
+    opt.step()
+    return {"model": model, "optimizer": opt}
+
+
+@pytest.mark.parametrize("head_on_gpu", [False, True], ids=["host", "mixed"])
+def test_a_cuda_process_loads_host_memory_state_through_pinned_staging(tmp_path: Path, monkeypatch,
+                                                                       head_on_gpu: bool) -> None:
+    """In a process that uses CUDA, a load stages in pinned memory (``io.device``) whatever the
+    live tensors' devices: host tensors are copied from the staging, CUDA ones by host-to-device
+    copies. A corrupt newest state file, found during that single read, falls back to exactly
+    the older state; every tensor keeps its device."""
+    torch.cuda.init()
+    root = tmp_path / "ck"
+    mgr = ftkit.checkpoint.Checkpointer(CheckpointConfig(root=root, keep_last=None), events=None)
+    older = _cpu_state(2, head_on_gpu=head_on_gpu)
+    mgr.save(2, older)
+    want = _values(older)
+    newest = _cpu_state(3, head_on_gpu=head_on_gpu)
+    mgr.save(3, newest)
+    live = _cpu_state(9, head_on_gpu=head_on_gpu)
+    devices = [t.device.type for t in live["model"].state_dict().values()]
+    written = _device_writes(monkeypatch)
+    assert ftkit.checkpoint.Checkpointer(CheckpointConfig(root=root), events=None).load(live) == 3
+    assert all(torch.equal(a, b) for a, b in zip(_values(live), _values(newest), strict=True))
+    assert [t.device.type for t in live["model"].state_dict().values()] == devices
+    assert bool(written) == head_on_gpu  # device copies only for the CUDA tensors
+
+    f = root / "step-00000003" / "rank-00000.pt"
+    data = bytearray(f.read_bytes())
+    data[len(data) * 3 // 4] ^= 0x10
+    f.write_bytes(bytes(data))
+    live = _cpu_state(9, head_on_gpu=head_on_gpu)
+    assert ftkit.checkpoint.Checkpointer(CheckpointConfig(root=root), events=None).load(live) == 2
+    assert all(torch.equal(a, b) for a, b in zip(_values(live), want, strict=True))
+    assert [t.device.type for t in live["model"].state_dict().values()] == devices
