@@ -1985,15 +1985,18 @@ def _model(change: str = "") -> tuple[torch.nn.Sequential, torch.optim.Optimizer
         model.register_buffer("ema_count", torch.zeros(1))
     if change == "param group added":
         opt = torch.optim.Adam([{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 0.1}])
+    elif change == "optimizer changed":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     else:
         opt = torch.optim.Adam(model.parameters())
     return model, opt
 
 
 @pytest.mark.parametrize("older", [True, False])
-@pytest.mark.parametrize("change", ["buffer added", "layer removed", "param group added"])
+@pytest.mark.parametrize("change", ["buffer added", "layer removed", "param group added", "optimizer changed"])
 def test_a_model_or_optimizer_whose_keys_changed_is_refused_before_anything_is_loaded(tmp_path, change, older):
-    """A layer or buffer added or removed, a param group added: refused naming the file and
+    """A layer or buffer added or removed, a param group added, SGD where Adam was saved (torch
+    loads Adam's groups into it, and its next step raises ``KeyError: 'momentum'``): refused naming the file and
     what differs, the state as it was built (``load_state_dict`` raised torch's bare error,
     naming no checkpoint, after copying every tensor that fit; the plain values and the
     optimizer's were restored or cleared by then). ``older``: with an older checkpoint (read
@@ -2013,8 +2016,33 @@ def test_a_model_or_optimizer_whose_keys_changed_is_refused_before_anything_is_l
     said = {"buffer added": r"state\['model'\]: ema_count is not in the checkpoint",
             "layer removed": r"state\['model'\]: 1.bias is in the checkpoint, not in the module",
             "param group added": r"state\['optimizer'\]: the checkpoint's optimizer has param groups of \[4\] "
-                                 r"parameters, the live one \[2, 2\]"}[change]
+                                 r"parameters, the live one \[2, 2\]",
+            "optimizer changed": r"state\['optimizer'\]: param group 0 of the checkpoint lacks dampening, momentum "
+                                 r"of the live SGD \(saved by another optimizer\? its settings: amsgrad, betas"}[change]
     with pytest.raises(CheckpointError, match=rf"step-00000002/rank-00000.pt does not fit the live state: {said}"):
         make_mgr(root).load(state)
     assert state["epoch"] == 0 and opt.state_dict()["state"] == {}
     assert all(torch.equal(model.state_dict()[k], v) for k, v in built.items())
+
+
+def test_an_optimizer_saved_by_an_older_torch_lacking_settings_added_since_loads(tmp_path):
+    """The settings a torch release added to an optimizer (``fused``, ``decoupled_weight_decay``
+    in Adam's groups) are absent from a checkpoint an older one saved; the class fills them in
+    when it loads, so they are not a changed optimizer: the load goes through, exactly."""
+    from ftkit.checkpoint.state.restore import key_mismatches
+
+    torch.manual_seed(0)
+    model, opt = _model()
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+    older = {"state": saved["state"], "param_groups": [
+        {k: v for k, v in g.items() if k not in ("fused", "decoupled_weight_decay", "capturable")}
+        for g in saved["param_groups"]]}
+    live_model, live = _model()
+    assert key_mismatches({"optimizer": live}, {"optimizer": older}) == []
+    assert key_mismatches({"optimizer": torch.optim.SGD(live_model.parameters(), lr=0.1, momentum=0.9)},
+                          {"optimizer": older})
+    live.load_state_dict(older)  # what the load does after the check
+    live_model(torch.randn(2, 8)).sum().backward()
+    live.step()

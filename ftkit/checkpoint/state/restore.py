@@ -241,6 +241,34 @@ def key_mismatches(state: Mapping[str, Any], saved: Mapping[str, Any]) -> list[s
             if sizes != live_sizes:
                 found.append(f"state[{key!r}]: the checkpoint's optimizer has param groups of {sizes} parameters, "
                              f"the live one {live_sizes}")
+            else:
+                found += [f"state[{key!r}]: {m}" for m in _group_key_mismatches(live, groups)]
+    return found
+
+
+def _group_key_mismatches(live: torch.optim.Optimizer, groups: list[Any]) -> list[str]:
+    """The settings the live optimizer's param groups have that the saved groups would lack once
+    loaded: ``load_state_dict`` replaces the groups with the saved ones, and the class's
+    ``__setstate__`` fills in only the settings it added since (a checkpoint of another torch
+    version); one of another kind (Adam's ``betas`` saved, SGD's ``momentum`` live) raises a
+    ``KeyError`` at the next step, after the load. Found by giving the saved groups to the live
+    class's ``__setstate__`` on an empty stand-in; nothing where that fails."""
+    try:
+        probe = type(live).__new__(type(live))
+        probe.__dict__.update({k: v for k, v in live.__dict__.items()
+                               if k not in ("state", "param_groups")})
+        probe.defaults = dict(live.defaults)
+        probe.__setstate__({"state": {}, "param_groups": [dict(g) for g in groups]})
+        loaded = probe.param_groups
+    except Exception:  # another class's ways: torch's own load decides
+        return []
+    found = []
+    for i, (mine, theirs) in enumerate(zip(live.param_groups, loaded, strict=False)):
+        lacking = sorted(k for k in mine if k not in theirs and isinstance(k, str))
+        if lacking:
+            saved = ", ".join(sorted(k for k in theirs if k != "params" and isinstance(k, str)))
+            found.append(f"param group {i} of the checkpoint lacks {', '.join(lacking)} of the live "
+                         f"{type(live).__name__} (saved by another optimizer? its settings: {saved})")
     return found
 
 
