@@ -68,6 +68,7 @@ def test_a_failed_end_of_training_save_fails_the_run(tmp_path: Path, small_fs: P
     events = list(read_events(jobdir / "events.jsonl"))
     failed = [e for e in events if e["event"] == "save-failed"]
     assert [e["step"] for e in failed][-1:] == [25] and failed[-1]["reason"] == "end of training"
+    assert len([e for e in failed if e["step"] == 25]) == 1, failed  # one event, not the committer's and the controller's
     ends = [e for e in events if e["event"] == "exit"]
     assert ends and ends[-1]["completed"] is False
     assert validate_dir(root / "step-00000020").valid

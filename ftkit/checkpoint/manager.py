@@ -218,11 +218,11 @@ class Checkpointer(CheckpointManager):
                     lambda: commits.commit(step, files, pin=pin, reason=reason), f"committing {path}"
                 )
             except CheckpointError as exc:
-                commits.abandon(step, exc)
+                commits.abandon(step, exc, reason=reason)
                 raise
             except OSError as exc:
                 err = save_error(exc, step, path, progress, snapshot.nbytes)
-                commits.abandon(step, err)
+                commits.abandon(step, err, reason=reason)
                 raise err from exc
         commits.committed(info, seconds=time.monotonic() - started, reason=reason)
         self.comm.barrier()

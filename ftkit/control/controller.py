@@ -492,7 +492,8 @@ class FaultTolerance:
                 self.checkpoints.wait()  # leave only once the checkpoint is durable
         except CheckpointError as exc:
             self.watchdog.end_save()
-            self.events.emit("save-failed", step=step, reason=why, error=str(exc))
+            if not _event_written(exc):
+                self.events.emit("save-failed", step=step, reason=why, error=str(exc))
             if last:
                 raise
             log.warning("checkpoint at step %d failed, training continues: %s", step, exc)
@@ -535,7 +536,8 @@ class FaultTolerance:
             self._consume_durable()
         error = mgr.pending_error()
         if error is not None:
-            self.events.emit("save-failed", step=step, reason="background save", error=str(error))
+            if not _event_written(error):
+                self.events.emit("save-failed", step=step, reason="background save", error=str(error))
             log.warning("a background checkpoint failed, training continues: %s", error)
 
     def _consume_durable(self) -> None:
@@ -591,3 +593,18 @@ class FaultTolerance:
         cutoff = self._handled_wall.get(Source.REQUEST)
         if Source.REQUEST in decision.sources and cutoff is not None:
             remove_handled_requests(self.job, cutoff)
+
+
+def _event_written(error: BaseException) -> bool:
+    """Whether ftkit's checkpoint committer wrote the ``save-failed`` event of ``error`` already
+    (``Committer.abandon`` marks the error; a background manager raises it again as the cause of
+    its own): the controller writes one only for a failure nobody reported (a custom manager's,
+    one before the commit protocol began)."""
+    seen: BaseException | None = error
+    for _ in range(8):
+        if seen is None:
+            return False
+        if getattr(seen, "event_written", False):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

@@ -131,7 +131,7 @@ class RankCommit:
                 info = commits.commit(step, files, pin=pin, reason=reason)
             except BaseException as exc:
                 err = self._error(exc, step, path, progress, snapshot)
-                commits.abandon(step, err)
+                commits.abandon(step, err, reason=reason)
                 if err is exc:
                     raise
                 raise err from exc

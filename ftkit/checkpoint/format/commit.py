@@ -308,10 +308,16 @@ class Committer:
             except Exception as exc:  # the checkpoint is committed; retention can retry next time
                 log.warning("retention after saving step %d failed: %s", info.step, exc)
 
-    def abandon(self, step: int, error: BaseException) -> None:
-        """A save of ``step`` failed: its directory stays incomplete and goes before the next save."""
+    def abandon(self, step: int, error: BaseException, *, reason: str | None = None) -> None:
+        """A save of ``step`` failed: its directory stays incomplete and goes before the next
+        save. Writes the ``save-failed`` event and marks ``error`` (``event_written``) so that
+        whoever reports it further (the controller) does not write a second one."""
         self._failed.add(step)
-        self._emit("save-failed", step=step, path=str(self.path(step)), error=str(error))
+        fields = {} if reason is None else {"reason": reason}
+        self._emit("save-failed", step=step, path=str(self.path(step)), error=str(error), **fields)
+        if self._sink is not None:
+            with contextlib.suppress(AttributeError):  # an exception type without a __dict__
+                error.event_written = True  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ retention
     def note_leftovers(self) -> None:
