@@ -9,7 +9,9 @@ checkpoints are where the events log's newest save (load, delete) record puts th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -105,6 +107,7 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
             "age": None if info.time is None else now - info.time, "saved_for": info.saved_for,
         })
     newest = next((c for c in items if c["valid"]), None)
+    aside = _set_aside(root.path)
 
     slurm = _slurm(last_start.get("job_id") if last_start else None)
     deadline = last_start.get("deadline") if last_start else None
@@ -136,11 +139,32 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
         "checkpoints": items,
         "newest_valid": newest,
         "problems": [c for c in items if not c["valid"]],
+        "set_aside": aside,
         "save_estimate": save_estimate,
         "time_left": time_left,
         "verdict": verdict,
         "events": log[-events:] if events > 0 else [],
     }
+
+
+def _set_aside(root: Path) -> list[dict[str, Any]]:
+    """The ``set-aside-*`` directories under the checkpoint root (a rollback's or a fresh
+    start's earlier history, moved there whole): path, step directories, bytes."""
+    found = []
+    try:
+        dirs = sorted(d for d in root.glob("set-aside-*") if d.is_dir())
+    except OSError:
+        return []
+    for d in dirs:
+        size, steps = 0, 0
+        for here, _dirs, files in os.walk(d):
+            if Path(here).parent == d and Path(here).name.startswith("step-"):
+                steps += 1
+            for name in files:
+                with contextlib.suppress(OSError):
+                    size += os.lstat(os.path.join(here, name)).st_size
+        found.append({"path": str(d), "checkpoints": steps, "size": size})
+    return found
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -200,6 +224,11 @@ def _status(args: argparse.Namespace) -> int:
                           f"[{colour}]{c['status']}[/]", "yes" if c["pinned"] else "",
                           escape(c["reason"] or c["saved_for"] or ""))
         console.print(table)
+    for a in status["set_aside"]:
+        console.print(escape(f"set aside: {a['path']} ({a['checkpoints']} checkpoint"
+                             f"{'' if a['checkpoints'] == 1 else 's'}, {_human(a['size'])}): another history, "
+                             "never resumed from nor deleted by ftkit; delete it when no longer wanted"),
+                      style="yellow", highlight=False)
     if not status["events"]:
         console.print(f"no events yet: no ftkit job has started with this job dir ({escape(str(status['jobdir']))}"
                       "/events.jsonl is written when one does)", highlight=False)
