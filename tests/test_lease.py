@@ -144,6 +144,37 @@ def test_second_run_is_refused_and_the_first_completes_clean(tmp_path: Path) -> 
     assert lease_status(jobdir)["state"] == "released"
 
 
+def test_a_copy_of_a_job_dir_in_use_runs_and_leaves_the_original_alone(tmp_path: Path) -> None:
+    """``cp -a`` of a job dir whose run holds its lease (to try a variant from its checkpoints):
+    the copy's lease record names that run, on this host, alive, but the copy's lease.lock is
+    another file that nobody locks. ``ftkit status`` says the copy is not held, and a run there
+    takes its lease at once (it was refused for 10 minutes, naming the original's heartbeat),
+    while the original goes on holding its own."""
+    original, copy = tmp_path / "job", tmp_path / "copy"
+    first = launch(original, tmp_path / "ctl", "--hold-at", "5")
+    try:
+        (pid,) = holding(tmp_path / "ctl")
+        subprocess.run(["cp", "-a", str(original), str(copy)], check=True)
+        status = subprocess.run([sys.executable, "-m", "ftkit", "status", "--json", str(copy)],
+                                capture_output=True, text=True, timeout=60)
+        said = json.loads(status.stdout)
+        assert said["running"] is False and said["lease"]["state"] == "dead", said["lease"]
+        assert f"pid {pid} on" in said["lease"]["description"] and "does not hold" in said["lease"]["description"]
+        assert lease_status(original)["state"] == "held"
+        ((rc, err),) = finish(launch(copy, tmp_path / "ctl2"))
+        assert rc == 0, err
+        (takeover,) = events(copy, "lease-takeover")
+        assert takeover["previous"]["pid"] == pid and "does not hold" in takeover["reason"]
+        assert_all_checkpoints_valid(copy)
+        assert lease_status(original)["state"] == "held" and lease_status(original)["pid"] == pid
+        assert events(original, "lease-takeover") == [] and events(original, "lease-lost") == []
+    finally:
+        (tmp_path / "ctl" / "release").touch()
+        ((rc, err),) = finish(first)
+    assert rc == 0, err
+    assert_all_checkpoints_valid(original)
+
+
 def test_a_second_job_dir_on_the_same_checkpoint_root_is_refused_while_the_first_runs(tmp_path: Path) -> None:
     """Two job dirs whose scripts name one absolute checkpoint root (a job dir copied, a script
     reused): each job dir's lease is free, but the second run is refused (exit 86, naming the
@@ -339,7 +370,7 @@ def _rec(**kw) -> LeaseRecord:
     (None, {}, True, True, "free", ""),
     ({"released": 150.0}, {}, True, True, "free", ""),
     ({"released": 150.0}, {}, False, True, "busy", "wrote no current record"),
-    ({}, {"pid": 11}, True, True, "busy", "last heartbeat was 100 s ago"),          # same host, pid reused
+    ({}, {"pid": 11}, True, True, "takeover", "does not hold"),                     # same host, copied or pid reused
     ({}, {"pid": 11}, True, False, "takeover", "is gone"),                          # same host, pid gone
     ({"heartbeat": 0.0}, {"pid": 11}, False, True, "busy", "it is running on this host"),  # alive: never stale
     ({"host": "b"}, {}, True, False, "busy", "taken over after 300 s"),            # other node: only when stale

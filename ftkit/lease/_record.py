@@ -1,15 +1,18 @@
 """The lease record (``JOBDIR/lease.json``), its config, and the pure takeover rule.
 
-No locks and no threads here: ``ftkit status`` reads the record through this module.
+No locks taken and no threads here: ``ftkit status`` reads the record through this module
+(and asks, without taking it, whether the record's process on this host holds the lock).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import math
 import os
 import socket
+import struct
 import time
 import uuid
 from collections.abc import Callable
@@ -169,6 +172,11 @@ def judge(held: LeaseRecord | None, me: LeaseRecord, *, lock_free: bool, now: fl
         age = now - held.heartbeat
         hung = f"; its heartbeat is {age:.0f} s old: if it hangs, end it (kill {held.pid})" if age > held.heartbeat_every * 3 else ""
         return Verdict("busy", f"it is running on this host{hung}")
+    if lock_free and held.host == me.host and pid_alive(held.pid):
+        # this host's locks are certain: the process the record names does not hold this lease
+        return Verdict("takeover", f"its process {held.pid} on this host does not hold this job dir's lease "
+                       f"lock: the record came with a copy of a job dir in use (cp -a), or that process "
+                       f"ended and its pid was reused")
     if me.job_id is not None and held.job_id == me.job_id:
         if held.restart_count < me.restart_count:
             return Verdict("takeover", f"it is restart {held.restart_count} of this SLURM job {me.job_id}, which is "
@@ -223,7 +231,34 @@ def lease_status(job_dir: str | os.PathLike[str], *, now: float | None = None) -
         state = "dead"  # kill -9, a crash: the next run on this host takes it over at once
         description = (f"not released by {record.holder}, whose process is gone (killed or crashed); "
                        "the next run takes it over at once")
+    elif (state != "released" and record.host == socket.gethostname() and record.pid != os.getpid()
+          and lock_held(job.lease_lock) is False):
+        state = "dead"  # judge's takeover: a copied job dir's record, or a reused pid
+        description = (f"not held: the record names {record.holder}, which does not hold this job dir's lease "
+                       "lock (the job dir was copied from one in use, or that process ended and its pid was "
+                       "reused); the next run takes it over at once")
     return {**asdict(record), "state": state, "heartbeat_age": age, "description": description}
+
+
+_FLOCK = "hhqqi4x"  # struct flock on Linux (l_type, l_whence, l_start, l_len, l_pid)
+
+
+def lock_held(path: Path, byte: int = 0) -> bool | None:
+    """Whether another process holds an fcntl lock on ``byte`` of ``path`` (the lease's byte),
+    asked with ``F_GETLK``: nothing is locked, so a run taking the lease at that moment is not
+    disturbed. None where it cannot be told. Never on a file this process holds a lock on:
+    closing any descriptor of it would drop that lock."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        asked = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0)
+        return struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_GETLK, asked))[0] != fcntl.F_UNLCK
+    except (OSError, struct.error):
+        return None
+    finally:
+        os.close(fd)
 
 
 def describe_lease(job_dir: str | os.PathLike[str], *, now: float | None = None) -> str | None:
