@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from datetime import datetime
 from itertools import pairwise
 
@@ -334,3 +335,68 @@ def test_real_time_limit_changes_move_the_budget(slurm_jobs, tmp_path):
     moved = [line for line in text.splitlines() if "the job's end time moved from" in line]
     assert len(moved) == 3, text  # periodic: extended, shortened; last look: extended
     slurm_jobs.wait_state(job, {"COMPLETED"}, timeout=30)
+
+
+# Two gloo ranks under a stand-in scontrol that logs who called it and answers the end time in
+# the file END_FILE; each rank prints the step it stopped at and what stopped it.
+RANKS = textwrap.dedent("""
+    import sys, time
+    import torch
+    import torch.distributed as dist
+    import ftkit
+
+    dist.init_process_group("gloo")
+    config = ftkit.Config(save_every=None, save_at_end=False,
+                          budget=ftkit.BudgetConfig(refresh_every=0.5, margin=3, save_estimate=0.5))
+    stopped = None
+    with ftkit.FaultTolerance(sys.argv[1], state={"w": torch.zeros(4)}, config=config) as ft:
+        for step in ft.range(100_000):
+            time.sleep(0.02)
+            stopped = step
+        decision = ft.final_decision
+    sources = ",".join(sorted(s.value for s in decision.sources)) if decision else "-"
+    print("stopped", stopped, decision.step if decision else "-", sources, ft.budget.end_time, flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_only_rank_0_asks_slurm_and_both_ranks_stop_at_its_budget(tmp_path):
+    """Two ranks of a SLURM job: ``scontrol show job`` runs on rank 0 only, at start and per
+    re-read (it ran on every rank at each, a burst on slurmctld from every rank of a big job);
+    an end time moved closer is seen by rank 0's re-read, and both ranks stop at the same step
+    for the time budget."""
+    from tests.ckpt_helpers import env, free_port
+
+    bin_dir, calls, end_file = tmp_path / "bin", tmp_path / "calls", tmp_path / "end"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        echo "rank=$RANK $*" >> {calls}
+        echo "JobId=4242 JobName=t JobState=RUNNING EndTime=$(date -d @$(cat {end_file}) +%Y-%m-%dT%H:%M:%S)"
+    """))
+    (bin_dir / "scontrol").chmod(0o755)
+    end_file.write_text(f"{int(datetime.now().timestamp()) + 3600}\n")
+    extra = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "WORLD_SIZE": "2",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([sys.executable, "-c", RANKS, str(tmp_path / "job")], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env(**extra, RANK=str(r)))
+             for r in range(2)]
+    try:
+        deadline = datetime.now().timestamp() + 60
+        while len([c for c in (calls.read_text().splitlines() if calls.exists() else []) if "show job" in c]) < 3:
+            assert datetime.now().timestamp() < deadline, "rank 0 never read the end time again"
+            assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+            time.sleep(0.1)
+        end_file.write_text(f"{int(datetime.now().timestamp()) + 8}\n")  # the job's limit shortened
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), outs
+    lines = calls.read_text().splitlines()
+    assert lines and all(line.startswith("rank=0 show job -o 4242") for line in lines), lines
+    stops = [re.search(r"^stopped (\d+) (\d+) (\S+) (\S+)$", out, re.M) for out, _ in outs]
+    assert all(stops), outs
+    assert stops[0].group(2) == stops[1].group(2)  # decided at the same step on both ranks
+    assert all(m.group(3) == "time-budget" for m in stops), outs
+    assert float(stops[0].group(4)) > 0 and stops[1].group(4) == "None"  # rank 1 never had an end time

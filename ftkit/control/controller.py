@@ -126,7 +126,8 @@ class FaultTolerance:
         self.box = RequestBox()
         self._signals = SignalTrigger(self.config.signals, self.box, clock=clock)
         self._watcher = SwitchWatcher(self.job, self.box, self.config.watch)
-        self.budget = TimeBudget(self.config.budget, clock=wallclock)
+        # several ranks: rank 0 alone asks SLURM for the end time; its request reaches every rank
+        self.budget = TimeBudget(self.config.budget, clock=wallclock, follower=self.world_size > 1 and self.rank != 0)
         self.watchdog = Watchdog(self.config.watchdog, job_root=self.job.root, events=self.events, rank=self.rank,
                                  world_size=self.world_size, clock=clock, wallclock=wallclock)
         self._collective: Collective | None = None

@@ -55,8 +55,9 @@ class BudgetConfig:
     refresh_every: float = 300.0
     """Seconds between re-reads of SLURM's EndTime, so a time limit changed while the job runs
     (``scontrol update jobid=N TimeLimit=...``) moves the budget; it is also re-read right
-    before the budget fires. One ``scontrol show job`` per rank per re-read; 0 reads it only
-    at start. An end time from ``deadline`` or ``env_var`` is never re-read."""
+    before the budget fires. Only rank 0 asks SLURM (at start and per re-read) and decides for
+    every rank; 0 reads it only at start. An end time from ``deadline`` or ``env_var`` is never
+    re-read."""
 
     enabled: bool = True
     """False turns the time budget off: it never fires."""
@@ -129,9 +130,10 @@ class TimeBudget:
     once right before firing. One-shot: once :meth:`due` returned True, ``fired`` is set and
     it returns False from then on.
 
-    Re-reads are per process. Ranks that disagree about the end time for a while still stop
-    together: the controller ORs the ranks' requests at the next agreement, so the earliest
-    end time any rank knows wins.
+    ``follower``: another rank of a multi-rank run asks SLURM and decides for every rank (the
+    controller's agreement carries its request to all), so this one never runs ``scontrol``:
+    one ``scontrol show job`` per re-read for the whole job, not one per rank. An end time
+    from ``deadline`` or ``env_var`` is the same on every rank and used as it is.
     """
 
     def __init__(
@@ -141,8 +143,10 @@ class TimeBudget:
         clock: Callable[[], float] = time.time,
         end_time_lookup: Callable[[], float | None] | None = None,
         environ: Mapping[str, str] | None = None,
+        follower: bool = False,
     ) -> None:
         self.config = config if config is not None else BudgetConfig()
+        self._follower = follower
         self._clock = clock
         self._lookup = end_time_lookup
         self._environ = environ
@@ -176,6 +180,8 @@ class TimeBudget:
         if self.end_time is None and self._ask is not None:
             log.info("time budget: no deadline yet (%s); reading it again every %g s",
                      self.source, self.config.refresh_every)
+        elif self.end_time is None and self._follower:
+            log.debug("time budget: %s", self.source)
         elif self.end_time is None:
             log.info("time budget: no deadline (%s); it will never fire", self.source)
         else:
@@ -203,6 +209,8 @@ class TimeBudget:
         unset = f"budget.deadline unset, ${cfg.env_var} unset"
         if not cfg.use_slurm:
             return None, f"{unset}, budget.use_slurm=false", None
+        if self._follower:
+            return None, "rank 0 reads the job's end time and decides for every rank", None
         given = self._lookup
         if given is not None:
             lookup, source = (lambda timeout: given()), "end_time_lookup"
