@@ -2025,6 +2025,24 @@ def test_a_model_or_optimizer_whose_keys_changed_is_refused_before_anything_is_l
     assert all(torch.equal(model.state_dict()[k], v) for k, v in built.items())
 
 
+def test_a_changed_model_inside_a_wrapper_is_refused_naming_only_what_changed(tmp_path):
+    """Saved without a wrapper, resumed inside one (``DataParallel`` here, DDP on more ranks)
+    with a layer added: the message names the added layer as the model names it, not every
+    key behind ``module.`` (the pairing of the saved keys with the live ones was given up
+    whole once one key did not pair, and each of them was listed as added and as removed)."""
+    root = tmp_path / "ck"
+    torch.manual_seed(0)
+    model, _ = _model()
+    make_mgr(root).save(1, {"model": model})
+    grown = torch.nn.DataParallel(torch.nn.Sequential(*_model()[0], torch.nn.Linear(4, 4)))
+    with pytest.raises(CheckpointError) as raised:
+        make_mgr(root).load({"model": grown})
+    said = str(raised.value)
+    assert ("does not fit the live state: state['model']: 2.bias is not in the checkpoint (added since?); "
+            "state['model']: 2.weight is not in the checkpoint (added since?). The model changed") in said, said
+    assert "module." not in said and "0.weight" not in said, said
+
+
 def test_an_optimizer_saved_by_an_older_torch_lacking_settings_added_since_loads(tmp_path):
     """The settings a torch release added to an optimizer (``fused``, ``decoupled_weight_decay``
     in Adam's groups) are absent from a checkpoint an older one saved; the class fills them in

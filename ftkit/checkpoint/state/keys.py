@@ -119,14 +119,19 @@ def _canonical(name: str) -> str:
 
 
 def match_keys(saved: Mapping[str, Any], names: list[str], where: str) -> dict[str, Any]:
-    """``saved`` (a module's state dict) renamed to ``names``, where the two differ only by
-    wrapper prefixes (a model saved inside DDP, loaded without it, or the reverse). Anything
-    else is returned as it is, for ``load_state_dict`` to name the keys that do not match."""
+    """``saved`` (a module's state dict) with each key renamed to the one of ``names`` it
+    differs from only by wrapper prefixes (a model saved inside DDP, loaded without it, or the
+    reverse). Where the models differ besides (a layer added since), the keys that pair up are
+    renamed all the same, so that what does not match is named as the live module names it and
+    a non-strict load still gets every layer that is there; the rest stay as they are. As saved
+    where the pairing is ambiguous (two names that differ only by wrappers)."""
     if set(saved) == set(names):
         return dict(saved)
     live = {_canonical(n): n for n in names}
     renamed = {live.get(_canonical(k), k): v for k, v in saved.items()}
-    if len(live) == len(names) and set(renamed) == set(names) and len(renamed) == len(saved):
+    if len(live) == len(names) and len(renamed) == len(saved):
+        if set(renamed) != set(names):
+            log.debug("%s: saved names do not match the live ones, even without wrapper prefixes", where)
         return renamed
-    log.debug("%s: saved names do not match the live ones, even without wrapper prefixes", where)
+    log.debug("%s: saved names pair up with the live ones in more than one way", where)
     return dict(saved)

@@ -223,12 +223,15 @@ def key_mismatches(state: Mapping[str, Any], saved: Mapping[str, Any]) -> list[s
                 continue
             modules = dict(live.named_modules(remove_duplicate=False))
             mine = set(live.state_dict())
+            # a DDP (or DataParallel) model's keys are named as the model inside it names them
+            inner = (lambda n: n.removeprefix("module.")) if _wrapper(live) else (lambda n: n)
             for name in sorted(mine - set(theirs)):
                 if loaded_by_torch(modules, name):
-                    found.append(f"state[{key!r}]: {name} is not in the checkpoint (added since?)")
+                    found.append(f"state[{key!r}]: {inner(name)} is not in the checkpoint (added since?)")
             for name in sorted(n for n in theirs if isinstance(n, str) and n not in mine):
                 if loaded_by_torch(modules, name):
-                    found.append(f"state[{key!r}]: {name} is in the checkpoint, not in the module (removed since?)")
+                    found.append(f"state[{key!r}]: {inner(name)} is in the checkpoint, not in the module "
+                                 "(removed since?)")
         elif isinstance(live, torch.optim.Optimizer) and isinstance(theirs, Mapping):
             if (type(live).load_state_dict is not torch.optim.Optimizer.load_state_dict
                     or getattr(live, "_optimizer_load_state_dict_pre_hooks", None)):
@@ -244,6 +247,11 @@ def key_mismatches(state: Mapping[str, Any], saved: Mapping[str, Any]) -> list[s
             else:
                 found += [f"state[{key!r}]: {m}" for m in _group_key_mismatches(live, groups)]
     return found
+
+
+def _wrapper(module: torch.nn.Module) -> bool:
+    """DDP or DataParallel: its state dict's keys are its ``module``'s, behind ``module.``."""
+    return isinstance(module, torch.nn.DataParallel | torch.nn.parallel.DistributedDataParallel)
 
 
 def _group_key_mismatches(live: torch.optim.Optimizer, groups: list[Any]) -> list[str]:
