@@ -362,7 +362,7 @@ def test_a_later_run_on_a_killed_job_dir_is_not_refused_but_does_nothing(tmp_pat
 
 def _rec(**kw) -> LeaseRecord:
     base = dict(job_id=None, restart_count=0, host="a", pid=10, started=0.0, heartbeat=100.0,
-                heartbeat_every=30.0, stale_after=300.0)
+                heartbeat_every=30.0, stale_after=300.0, boot_id="k1")
     return LeaseRecord(**{**base, **kw})
 
 
@@ -371,6 +371,11 @@ def _rec(**kw) -> LeaseRecord:
     ({"released": 150.0}, {}, True, True, "free", ""),
     ({"released": 150.0}, {}, False, True, "busy", "wrote no current record"),
     ({}, {"pid": 11}, True, True, "takeover", "does not hold"),                     # same host, copied or pid reused
+    ({"boot_id": None}, {"pid": 11}, True, True, "busy", "last heartbeat"),       # an older record: no kernel known
+    ({"boot_id": "k2"}, {"pid": 11}, True, True, "busy", "last heartbeat"),       # one host name, two machines
+    ({"boot_id": "k2"}, {"pid": 11}, True, False, "busy", "last heartbeat"),      # ... its pid is not ours to see
+    ({"boot_id": None}, {"pid": 11}, True, False, "takeover", "is gone"),         # an older record, pid gone
+    ({}, {}, True, True, "busy", "last heartbeat"),                                # this very process (another path)
     ({}, {"pid": 11}, True, False, "takeover", "is gone"),                          # same host, pid gone
     ({"heartbeat": 0.0}, {"pid": 11}, False, True, "busy", "it is running on this host"),  # alive: never stale
     ({"host": "b"}, {}, True, False, "busy", "taken over after 300 s"),            # other node: only when stale

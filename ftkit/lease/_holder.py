@@ -20,7 +20,7 @@ from .._fs import atomic_write, fsync_dir
 from ..errors import EXIT_JOBDIR_BUSY, ConfigError, FtkitError
 from ..events import EventLog
 from ..jobdir import JobDir
-from ._record import JobDirBusyError, LeaseConfig, LeaseRecord, Verdict, judge, pid_alive
+from ._record import JobDirBusyError, LeaseConfig, LeaseRecord, Verdict, boot_id, judge, pid_alive
 
 __all__ = ["Lease", "agree_refused", "take_lease"]
 
@@ -97,7 +97,8 @@ class Lease:
         self.record = LeaseRecord(job_id=job_id, restart_count=restart_count,
                                   attempt=_int_env("TORCHELASTIC_RESTART_COUNT"), host=socket.gethostname(),
                                   pid=os.getpid(), world_size=world_size, started=now, heartbeat=now,
-                                  heartbeat_every=config.heartbeat, stale_after=config.stale_after)
+                                  heartbeat_every=config.heartbeat, stale_after=config.stale_after,
+                                  boot_id=boot_id())
         self._fd: int | None = None
         self._key: tuple[int, int] | None = None
         self._stop = threading.Event()

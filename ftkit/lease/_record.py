@@ -16,7 +16,7 @@ import struct
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,10 @@ class LeaseRecord:
     released: float | None = None
     """Wall time the run closed and let go of the lease; None while held (or its holder died)."""
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
+    boot_id: str | None = None
+    """The holder's kernel (``/proc/sys/kernel/random/boot_id``): a host name alone does not
+    tell one machine (containers on two machines may share one), and only this kernel's own
+    locks and processes are certain. None in a record of an older ftkit."""
 
     def to_json(self) -> bytes:
         return (json.dumps({"format": "ftkit-lease", "version": 1, **asdict(self)}, indent=1) + "\n").encode()
@@ -105,6 +109,7 @@ class LeaseRecord:
                 stale_after=float(raw.get("stale_after") or 300.0),
                 released=None if raw.get("released") is None else float(raw["released"]),
                 token=str(raw.get("token") or ""),
+                boot_id=None if raw.get("boot_id") is None else str(raw["boot_id"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"bad lease record field: {exc!r}") from None
@@ -152,8 +157,27 @@ class Verdict:
     reason: str = ""
 
 
+def boot_id() -> str | None:
+    """This kernel's boot id (Linux), None where there is none."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _same_host(held: LeaseRecord, me: LeaseRecord) -> bool:
+    """The same host name, and not known to be another kernel (both records have a boot id
+    and they differ: two machines, or containers on two machines, of one host name)."""
+    return held.host == me.host and (held.boot_id is None or me.boot_id is None or held.boot_id == me.boot_id)
+
+
+def _same_kernel(held: LeaseRecord, me: LeaseRecord) -> bool:
+    """Known to be this kernel: the same host name and boot id."""
+    return held.host == me.host and held.boot_id is not None and held.boot_id == me.boot_id
+
+
 def _same_host_gone(held: LeaseRecord, me: LeaseRecord, pid_alive: Callable[[int], bool]) -> bool:
-    return held.host == me.host and not pid_alive(held.pid)
+    return _same_host(held, me) and not pid_alive(held.pid)
 
 
 def judge(held: LeaseRecord | None, me: LeaseRecord, *, lock_free: bool, now: float, stale_after: float,
@@ -168,12 +192,12 @@ def judge(held: LeaseRecord | None, me: LeaseRecord, *, lock_free: bool, now: fl
         if lock_free:
             return Verdict("free")
         return Verdict("busy", "its lock is held by a process that wrote no current record")
-    if not lock_free and held.host == me.host and pid_alive(held.pid):
+    if not lock_free and _same_host(held, me) and pid_alive(held.pid):
         age = now - held.heartbeat
         hung = f"; its heartbeat is {age:.0f} s old: if it hangs, end it (kill {held.pid})" if age > held.heartbeat_every * 3 else ""
         return Verdict("busy", f"it is running on this host{hung}")
-    if lock_free and held.host == me.host and pid_alive(held.pid):
-        # this host's locks are certain: the process the record names does not hold this lease
+    if lock_free and _same_kernel(held, me) and held.pid != me.pid and pid_alive(held.pid):
+        # this kernel's locks are certain: the process the record names does not hold this lease
         return Verdict("takeover", f"its process {held.pid} on this host does not hold this job dir's lease "
                        f"lock: the record came with a copy of a job dir in use (cp -a), or that process "
                        f"ended and its pid was reused")
@@ -227,11 +251,12 @@ def lease_status(job_dir: str | os.PathLike[str], *, now: float | None = None) -
     age = now - record.heartbeat
     state = "released" if record.released is not None else ("stale" if age > record.stale_after else "held")
     description = record.describe(now)
-    if state != "released" and record.host == socket.gethostname() and not pid_alive(record.pid):
+    here = replace(record, host=socket.gethostname(), boot_id=boot_id(), pid=os.getpid())
+    if state != "released" and _same_host(record, here) and not pid_alive(record.pid):
         state = "dead"  # kill -9, a crash: the next run on this host takes it over at once
         description = (f"not released by {record.holder}, whose process is gone (killed or crashed); "
                        "the next run takes it over at once")
-    elif (state != "released" and record.host == socket.gethostname() and record.pid != os.getpid()
+    elif (state != "released" and _same_kernel(record, here) and record.pid != here.pid
           and lock_held(job.lease_lock) is False):
         state = "dead"  # judge's takeover: a copied job dir's record, or a reused pid
         description = (f"not held: the record names {record.holder}, which does not hold this job dir's lease "
@@ -246,19 +271,26 @@ _FLOCK = "hhqqi4x"  # struct flock on Linux (l_type, l_whence, l_start, l_len, l
 def lock_held(path: Path, byte: int = 0) -> bool | None:
     """Whether another process holds an fcntl lock on ``byte`` of ``path`` (the lease's byte),
     asked with ``F_GETLK``: nothing is locked, so a run taking the lease at that moment is not
-    disturbed. None where it cannot be told. Never on a file this process holds a lock on:
-    closing any descriptor of it would drop that lock."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        asked = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0)
-        return struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_GETLK, asked))[0] != fcntl.F_UNLCK
-    except (OSError, struct.error):
-        return None
-    finally:
-        os.close(fd)
+    disturbed. None where it cannot be told, and for a lease file this process holds (or is
+    taking: the same lock serialises them), whose descriptors it must not close: closing any
+    would drop the process's locks on it."""
+    from ._holder import _HELD, _HELD_LOCK
+
+    with _HELD_LOCK:
+        try:
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino) in _HELD:
+                return None
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            asked = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0)
+            return struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_GETLK, asked))[0] != fcntl.F_UNLCK
+        except (OSError, struct.error):
+            return None
+        finally:
+            os.close(fd)
 
 
 def describe_lease(job_dir: str | os.PathLike[str], *, now: float | None = None) -> str | None:
