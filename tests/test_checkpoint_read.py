@@ -2064,3 +2064,21 @@ def test_an_optimizer_saved_by_an_older_torch_lacking_settings_added_since_loads
     live.load_state_dict(older)  # what the load does after the check
     live_model(torch.randn(2, 8)).sum().backward()
     live.step()
+
+
+def test_an_optimizer_with_a_scheduler_or_named_parameters_since_loads(tmp_path):
+    """Group keys that are not the optimizer's settings are no sign of another optimizer: a
+    scheduler made since adds ``initial_lr``, an optimizer built from ``named_parameters()``
+    has ``param_names``; torch loads without them, and so does ftkit."""
+    root = tmp_path / "ck"
+    torch.manual_seed(0)
+    model, opt = _model()
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    make_mgr(root).save(1, {"model": model, "optimizer": opt})
+    model, _ = _model()
+    opt = torch.optim.Adam(model.named_parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    assert {"initial_lr", "param_names"} <= set(opt.param_groups[0])
+    assert make_mgr(root).load({"model": model, "optimizer": opt}) == 1
+    assert opt.state_dict()["state"] and scheduler.last_epoch == 0

@@ -260,7 +260,9 @@ def _group_key_mismatches(live: torch.optim.Optimizer, groups: list[Any]) -> lis
     ``__setstate__`` fills in only the settings it added since (a checkpoint of another torch
     version); one of another kind (Adam's ``betas`` saved, SGD's ``momentum`` live) raises a
     ``KeyError`` at the next step, after the load. Found by giving the saved groups to the live
-    class's ``__setstate__`` on an empty stand-in; nothing where that fails."""
+    class's ``__setstate__`` on an empty stand-in; nothing where that fails. Only the class's
+    own settings (``defaults``) count: a scheduler's ``initial_lr`` or the ``param_names`` of
+    an optimizer built from named parameters are not its kind, and torch loads without them."""
     try:
         probe = type(live).__new__(type(live))
         probe.__dict__.update({k: v for k, v in live.__dict__.items()
@@ -271,8 +273,9 @@ def _group_key_mismatches(live: torch.optim.Optimizer, groups: list[Any]) -> lis
     except Exception:  # another class's ways: torch's own load decides
         return []
     found = []
+    settings = set(live.defaults) - {"params", "param_names"}  # not a scheduler's initial_lr, say
     for i, (mine, theirs) in enumerate(zip(live.param_groups, loaded, strict=False)):
-        lacking = sorted(k for k in mine if k not in theirs and isinstance(k, str))
+        lacking = sorted(k for k in mine if k not in theirs and k in settings)
         if lacking:
             saved = ", ".join(sorted(k for k in theirs if k != "params" and isinstance(k, str)))
             found.append(f"param group {i} of the checkpoint lacks {', '.join(lacking)} of the live "
