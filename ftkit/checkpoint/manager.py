@@ -224,6 +224,9 @@ class Checkpointer(CheckpointManager):
                 err = save_error(exc, step, path, progress, snapshot.nbytes)
                 commits.abandon(step, err, reason=reason)
                 raise err from exc
+            except Exception as exc:  # a bug, rank 0's failure re-raised as it was: still recorded
+                commits.abandon(step, exc, reason=reason)
+                raise
         commits.committed(info, seconds=time.monotonic() - started, reason=reason)
         self.comm.barrier()
         return info
@@ -777,9 +780,12 @@ class Checkpointer(CheckpointManager):
         """Delete what the retention policy says (rank 0 only); returns the deleted paths."""
         return self.commits.apply_retention()
 
-    def _emit(self, event: str, **fields: Any) -> None:
+    def _emit(self, event: str, **fields: Any) -> bool:
+        """Write ``event`` (rank 0, where there is an event log); whether it was written."""
         if self.events is not None and self.rank == 0:
             self.events.emit(event, **fields)
+            return True
+        return False
 
     # ------------------------------------------------------------------ lifecycle
     def wait(self) -> None:

@@ -493,7 +493,7 @@ class FaultTolerance:
                 self.checkpoints.wait()  # leave only once the checkpoint is durable
         except CheckpointError as exc:
             self.watchdog.end_save()
-            if not _event_written(exc):
+            if not _event_written(exc, step):
                 self.events.emit("save-failed", step=step, reason=why, error=str(exc))
             if last:
                 raise
@@ -596,16 +596,19 @@ class FaultTolerance:
             remove_handled_requests(self.job, cutoff)
 
 
-def _event_written(error: BaseException) -> bool:
+def _event_written(error: BaseException, step: int | None = None) -> bool:
     """Whether ftkit's checkpoint committer wrote the ``save-failed`` event of ``error`` already
-    (``Committer.abandon`` marks the error; a background manager raises it again as the cause of
-    its own): the controller writes one only for a failure nobody reported (a custom manager's,
-    one before the commit protocol began)."""
+    (``Committer.abandon`` marks the error with the step; a background manager raises it again
+    as the cause of its own), for ``step`` where given (a save that raised an earlier save's
+    failure before it began is one more failed save): the controller writes one only for a
+    failure nobody wrote (a custom manager's, one before the commit protocol began, another
+    rank's, whose event log rank 0 keeps)."""
     seen: BaseException | None = error
     for _ in range(8):
         if seen is None:
             return False
-        if getattr(seen, "event_written", False):
+        written = getattr(seen, "event_step", None)
+        if written is not None and (step is None or written == step):
             return True
         seen = seen.__cause__ or seen.__context__
     return False

@@ -46,7 +46,7 @@ __all__ = ["Committer", "delete", "mark_incomplete", "retain", "save_error", "se
 
 log = logging.getLogger(__name__)
 
-Emit = Callable[..., None]
+Emit = Callable[..., object]  # returns whether the event was written (a truthy value)
 """``emit(event, **fields)``: where delete and save events go (an ``EventLog.emit``), or nowhere."""
 
 
@@ -310,14 +310,14 @@ class Committer:
 
     def abandon(self, step: int, error: BaseException, *, reason: str | None = None) -> None:
         """A save of ``step`` failed: its directory stays incomplete and goes before the next
-        save. Writes the ``save-failed`` event and marks ``error`` (``event_written``) so that
-        whoever reports it further (the controller) does not write a second one."""
+        save. Writes the ``save-failed`` event and, where it was written (rank 0, with an
+        event log), marks ``error`` with its step (``event_step``) so that whoever reports it
+        further (the controller) does not write a second one."""
         self._failed.add(step)
         fields = {} if reason is None else {"reason": reason}
-        self._emit("save-failed", step=step, path=str(self.path(step)), error=str(error), **fields)
-        if self._sink is not None:
+        if self._emit("save-failed", step=step, path=str(self.path(step)), error=str(error), **fields):
             with contextlib.suppress(AttributeError):  # an exception type without a __dict__
-                error.event_written = True  # type: ignore[attr-defined]
+                error.event_step = step  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ retention
     def note_leftovers(self) -> None:
@@ -356,6 +356,6 @@ class Committer:
         self._failed.discard(info.step)
         return True
 
-    def _emit(self, event: str, **fields: Any) -> None:
-        if self._sink is not None:
-            self._sink(event, **fields)
+    def _emit(self, event: str, **fields: Any) -> bool:
+        """Hand ``event`` to the sink; whether it was written."""
+        return bool(self._sink(event, **fields)) if self._sink is not None else False
