@@ -110,7 +110,9 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
     aside = _set_aside(root.path)
 
     slurm = _slurm(last_start.get("job_id") if last_start else None)
-    lead = [e for e in starts if e.get("rank", 0) == 0]  # rank 0 alone knows a SLURM end time
+    # rank 0 alone knows a SLURM end time: its start event of the latest run (none yet: none)
+    began = max((e["time"] for e in exits if last_start and e["time"] < last_start["time"]), default=float("-inf"))
+    lead = [e for e in starts if e.get("rank", 0) == 0 and e["time"] > began]
     deadline = lead[-1].get("deadline") if lead else None
     time_left = slurm.get("time_left") if slurm else None
     if time_left is None and deadline is not None and running:
