@@ -89,7 +89,7 @@ def assert_same_values(a, b, where: str = "state") -> None:
 
 
 def build_state(seed: int = 0, rank: int = 0, world_size: int = 1, device: str = "cpu", tied: bool = False,
-                hidden: int = 32):
+                hidden: int = 32, fsdp: bool = False):
     import torch
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
@@ -106,7 +106,11 @@ def build_state(seed: int = 0, rank: int = 0, world_size: int = 1, device: str =
         model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.ReLU(), nn.Linear(8, 8, bias=False),
                               nn.Linear(8, 1)).to(device)
         model[2].weight = model[0].weight
-    if world_size > 1:
+    if world_size > 1 and fsdp:  # sharded (FSDP2): its parameters are DTensors
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+    elif world_size > 1:
         model = nn.parallel.DistributedDataParallel(model)
     torch.manual_seed(seed + 1000 * rank)  # per-rank dropout streams
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -212,6 +216,8 @@ def load_main(argv: list[str]) -> None:
     ``--tied``: a model two of whose layers share one weight (``train`` takes it too); the
     line before the last says whether they still do (``tied True``).
     ``--hidden N``: the model's hidden layer N wide (not the 32 it is saved with: a changed model).
+    ``--fsdp``: on several ranks, the model sharded with FSDP2 (``fully_shard``), not in DDP;
+    ``--out`` then writes its whole tensors.
     Before the last line, one line per DCP streaming reader: ``reader direct=... read=[...]``,
     and one per state file read into the live tensors: ``state file into live: direct=...
     undo=... keep=...``."""
@@ -239,6 +245,7 @@ def load_main(argv: list[str]) -> None:
     ap.add_argument("--tied", action="store_true")
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--one-rank-per-host", action="store_true")
+    ap.add_argument("--fsdp", action="store_true")
     a = ap.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if a.one_rank_per_host:  # as torchrun launches one rank on each of several hosts
@@ -249,7 +256,7 @@ def load_main(argv: list[str]) -> None:
         def fail(self, plan, planner):
             raise RuntimeError(f"rank {rank}: the read failed on purpose")
         StreamingReader.read_data = fail  # type: ignore[method-assign]
-    state, _ = build_state(rank=rank, world_size=world, device=a.device, tied=a.tied, hidden=a.hidden)
+    state, _ = build_state(rank=rank, world_size=world, device=a.device, tied=a.tied, hidden=a.hidden, fsdp=a.fsdp)
     if rank == a.extra_key_on:
         import torch
 
@@ -331,7 +338,9 @@ def load_main(argv: list[str]) -> None:
         import torch
 
         raw = state["model"].module if hasattr(state["model"], "module") else state["model"]
-        torch.save({"model": raw.state_dict(), "optimizer": state["optimizer"].state_dict()}, f"{a.out}.rank{rank}")
+        model_sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v  # a collective: same order on every rank
+                    for k, v in raw.state_dict().items()}
+        torch.save({"model": model_sd, "optimizer": state["optimizer"].state_dict()}, f"{a.out}.rank{rank}")
     for direct, reader in readers:
         print(f"reader direct={direct} read={reader.files_read}")
     for line in into_live:

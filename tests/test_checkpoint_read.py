@@ -693,6 +693,31 @@ def test_a_model_that_changed_shape_is_refused_before_anything_is_loaded(tmp_pat
             assert torch.equal(after["model"][key], value), (rank, key)
 
 
+def test_a_one_process_checkpoint_is_refused_by_a_changed_fsdp_model_before_anything_is_loaded(tmp_path, trained):
+    """Saved by one process, loaded on two ranks into an FSDP2 model whose hidden layer is 48
+    wide now: every rank refuses it naming the file and the shapes (the model's whole ones, not
+    its shards), before a tensor is set, and falls back to no older one (it does not fit
+    either). Torch's load of the full state dicts raises only after setting every tensor that
+    fits (the last layer's bias here), and with its own message."""
+    from tests.ckpt_helpers import build_state
+
+    root = tmp_path / "ck"
+    trained(root, 1, 4, 7)
+    outs = run_ranks(["load", "--root", str(root), "--hidden", "48", "--fsdp", "--out", str(tmp_path / "after")], 2)
+    fresh, _ = build_state(hidden=48)
+    for rank, out in enumerate(outs):
+        said = out.strip().splitlines()[-1]
+        assert re.search(r"^CheckpointError: \S*step-00000007/rank-00000.pt does not fit the live state: "
+                         r"state\['model'\]: 0.bias is \[32\] in the checkpoint, \[48\] in the module; "
+                         r"state\['model'\]: 0.weight is \[32, 8\] in the checkpoint, \[48, 8\] in the module", said), said
+        assert "Nothing of the checkpoint was loaded" in said and "Traceback" not in said, said
+        after = torch.load(tmp_path / f"after.rank{rank}", weights_only=True)
+        assert after["optimizer"]["state"] == {}
+        assert after["model"].keys() == fresh["model"].state_dict().keys()
+        for key, value in fresh["model"].state_dict().items():
+            assert torch.equal(after["model"][key], value), (rank, key)
+
+
 class _Reshaping(torch.nn.Module):
     """A module that takes its weight in any shape of the same size (an older layout)."""
 

@@ -43,7 +43,7 @@ from ..errors import CheckpointError
 from .format.layout import DCP_DIR
 from .io.files import CHECKSUM, crc32_file, fsync_dir
 from .state.keys import match_keys
-from .state.restore import clone_tensors, loaded_by_torch, misfit
+from .state.restore import clone_tensors, full_mismatches, key_mismatches, loaded_by_torch, misfit
 
 __all__ = [
     "failure_of",
@@ -287,13 +287,22 @@ def load_full(state: Mapping[str, Any], keys: frozenset[str], saved: Mapping[str
 
     Module and optimizer tensors may be views of a memory-mapped file: modules copy them into
     their parameters, and the optimizer's are cloned first (an optimizer keeps what it is given).
+    A model whose shapes or layers changed, or an optimizer of another kind or other param
+    groups, is refused (:class:`CheckpointError` naming ``where``) before anything is set:
+    torch's own load would raise only after setting every tensor that fits.
     """
     options = StateDictOptions(full_state_dict=True)
     live = live_state_dicts(state, keys, StateDictOptions())
     sds: dict[str, Any] = {}
+    misfits: list[str] = []  # refused before any rank sets what fits (torch's load raises only after)
     for key in sorted(keys):
         if isinstance(state[key], torch.nn.Module):
             sds[key] = match_keys(saved[key], list(live[key]), f"{where}: state[{key!r}]")
+            misfits += full_mismatches(key, state[key], live[key], sds[key])
         else:
-            sds[key] = _optimizer_by_name(saved[key], live[key]["param_groups"], f"{where}: state[{key!r}]")
+            misfits += key_mismatches({key: state[key]}, {key: saved[key]})
+    if misfits:
+        raise CheckpointError(misfit(where, misfits))
+    for key in sorted(keys - set(sds)):
+        sds[key] = _optimizer_by_name(saved[key], live[key]["param_groups"], f"{where}: state[{key!r}]")
     _set(state, keys, sds, options)

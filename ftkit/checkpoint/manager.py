@@ -623,7 +623,7 @@ class Checkpointer(CheckpointManager):
                                  if self.comm.distributed else None,
                                  common=self._common if self.comm.distributed else None)
                 else:  # a one-process checkpoint: every rank reads the full state dicts
-                    load_full(live, keys, payload["state"], str(path))
+                    load_full(live, keys, payload["state"], str(path / name))
             except BaseException as exc:  # DCP's CheckpointException is a BaseException
                 from .dcp_reader import corrupt_file_in
 

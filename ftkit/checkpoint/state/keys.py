@@ -33,7 +33,7 @@ from ...errors import CheckpointError
 from ..config import CheckpointConfig
 from ..format.layout import DCP_DIR
 
-__all__ = ["check_missing", "describe_rule", "is_dcp", "match_keys", "refusal"]
+__all__ = ["canonical", "check_missing", "describe_rule", "is_dcp", "match_keys", "refusal"]
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,10 @@ def describe_rule(path: Path, saved: int, current: int) -> str:
     return "; ".join(words)
 
 
-def _canonical(name: str) -> str:
+def canonical(name: str) -> str:
+    """``name`` (a state dict key, a module's name) without the wrappers' parts (``module.`` of DDP,
+    ``_orig_mod.`` of torch.compile, FSDP1's and activation checkpointing's): as torch's
+    ``state_dict`` helpers name it."""
     return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
 
 
@@ -127,8 +130,8 @@ def match_keys(saved: Mapping[str, Any], names: list[str], where: str) -> dict[s
     where the pairing is ambiguous (two names that differ only by wrappers)."""
     if set(saved) == set(names):
         return dict(saved)
-    live = {_canonical(n): n for n in names}
-    renamed = {live.get(_canonical(k), k): v for k, v in saved.items()}
+    live = {canonical(n): n for n in names}
+    renamed = {live.get(canonical(k), k): v for k, v in saved.items()}
     if len(live) == len(names) and len(renamed) == len(saved):
         if set(renamed) != set(names):
             log.debug("%s: saved names do not match the live ones, even without wrapper prefixes", where)

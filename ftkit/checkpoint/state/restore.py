@@ -23,11 +23,13 @@ from typing import Any
 import torch
 from torch.nn.parameter import is_lazy
 
+from .keys import canonical
 from .snapshot import is_stateful
 
 __all__ = [
     "SetAside",
     "clone_tensors",
+    "full_mismatches",
     "key_mismatches",
     "live_targets",
     "loaded_by_torch",
@@ -182,6 +184,37 @@ def shape_mismatches(state: Mapping[str, Any], saved: Mapping[str, Any]) -> list
                         and tuple(other.shape) != tuple(tensor.shape)):
                     found.append(f"state[{key!r}]: {prefix + '.' if prefix else ''}{name} is {list(other.shape)} "
                                  f"in the checkpoint, {list(tensor.shape)} in the module")
+    return found
+
+
+def full_mismatches(key: str, module: torch.nn.Module, live: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
+    """:func:`shape_mismatches` and :func:`key_mismatches` for a one-process checkpoint's full
+    state dict ``saved`` (keys matched to the live ones) loaded into a sharded module (FSDP2,
+    DTensor; :func:`ftkit.checkpoint.dcp.load_full`), found before every rank sets what fits:
+    ``live`` is the module's state dict by canonical names (``get_model_state_dict``), whose
+    sharded tensors have the whole tensor's shape. As there, a key owned by a module that
+    loads it its own way is left to it, and nothing of a model that overrides
+    ``load_state_dict`` or has a load pre-hook; missing and extra keys also not where a module
+    has a load post-hook other than FSDP's own (it may excuse them)."""
+    if type(module).load_state_dict is not torch.nn.Module.load_state_dict or any(
+            getattr(m, "_load_state_dict_pre_hooks", None) for m in module.modules()):
+        return []
+    modules = {canonical(n): m for n, m in module.named_modules(remove_duplicate=False)}
+    found: list[str] = []
+    for name in sorted(n for n in live if n in saved):
+        mine, theirs = live[name], saved[name]
+        if (isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor) and not is_lazy(mine)
+                and tuple(theirs.shape) != tuple(mine.shape) and loaded_by_torch(modules, name)):
+            found.append(f"state[{key!r}]: {name} is {list(theirs.shape)} in the checkpoint, {list(mine.shape)} "
+                         "in the module")
+    if any(not getattr(hook, "__qualname__", "").startswith("FSDPParam.")
+           for m in module.modules() for hook in getattr(m, "_load_state_dict_post_hooks", {}).values()):
+        return found
+    found += [f"state[{key!r}]: {name} is not in the checkpoint (added since?)"
+              for name in sorted(set(live) - set(saved)) if loaded_by_torch(modules, name)]
+    found += [f"state[{key!r}]: {name} is in the checkpoint, not in the module (removed since?)"
+              for name in sorted(n for n in saved if isinstance(n, str) and n not in live)
+              if loaded_by_torch(modules, name)]
     return found
 
 
