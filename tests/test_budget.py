@@ -135,13 +135,30 @@ def test_deadline_from_env_var(value, expected):
     assert b.source == "$FTKIT_DEADLINE"
 
 
-@pytest.mark.parametrize("value", ["tomorrow", "2024-13-01T00:00:00", "nan", "inf"])
+@pytest.mark.parametrize("value", ["tomorrow", "2024-13-01T00:00:00", "nan", "inf", "1e30", "-5", "1700000000000"])
 def test_bad_env_var_names_the_variable(value):
     b = TimeBudget(
         BudgetConfig(env_var="MY_DEADLINE"), clock=Clock(0), environ={"MY_DEADLINE": value}
     )
-    with pytest.raises(ConfigError, match="MY_DEADLINE"):
+    with pytest.raises(ConfigError, match="MY_DEADLINE") as caught:
         b.start()
+    assert ("if those are milliseconds" in str(caught.value)) == (value == "1700000000000")
+
+
+@pytest.mark.parametrize("value", [1e30, -5.0, 1_700_000_000_000])
+def test_a_deadline_setting_out_of_range_is_refused_when_built(value):
+    with pytest.raises(ConfigError, match=r"budget.deadline: .* is not a UNIX time in seconds"):
+        BudgetConfig(deadline=value)
+
+
+def test_an_explicit_deadline_already_past_is_refused_at_start():
+    """Stale (a variable left from an earlier job): no run can use it, and saving and asking
+    for a requeue at once would repeat in every requeued run until the cap."""
+    b = TimeBudget(BudgetConfig(), clock=Clock(5000), environ={"FTKIT_DEADLINE": "4000"})
+    with pytest.raises(ConfigError, match=r"environment variable FTKIT_DEADLINE: the deadline .* is 1000 s in the past"):
+        b.start()
+    with pytest.raises(ConfigError, match=r"budget.deadline: the deadline .* is 1 s in the past"):
+        TimeBudget(BudgetConfig(deadline=4999), clock=Clock(5000)).start()
 
 
 def test_explicit_beats_env_beats_lookup():

@@ -77,6 +77,60 @@ def test_time_budget_from_env_deadline(tmp_path: Path, monkeypatch) -> None:
     assert got[0]["sources"] == ["time-budget"] and got[0]["reasons"][0].startswith("time budget:")
 
 
+@pytest.mark.parametrize(("deadline", "said"), [
+    ("ms", r"environment variable FTKIT_DEADLINE: '\d+' is not a UNIX time in seconds \(\d+ s, if those are milliseconds\)"),
+    ("past", r"environment variable FTKIT_DEADLINE: the deadline \S+ is \d+ s in the past"),
+])
+def test_a_start_that_fails_on_its_deadline_names_it_and_leaves_nothing_behind(tmp_path: Path, monkeypatch,
+                                                                                deadline, said) -> None:
+    """A deadline in milliseconds (``date +%s%3N``) or one already past fails ``start`` with a
+    ConfigError naming the variable, not a traceback from deep in the budget; and what the
+    start set up before is taken down: the process's SIGTERM handler is its own again, no
+    thread of the run stays, the lease is released, and the same job dir starts at once with
+    the variable fixed."""
+    import signal
+    import threading
+
+    from ftkit.errors import ConfigError
+
+    now = time.time()
+    monkeypatch.setenv("FTKIT_DEADLINE", str(int(now * 1000) + 3_600_000) if deadline == "ms" else str(int(now) - 60))
+    before = signal.getsignal(signal.SIGTERM)
+    threads = set(threading.enumerate())
+    with pytest.raises(ConfigError, match=said), ftkit.FaultTolerance(tmp_path, state={"x": {"a": 1}}):
+        pytest.fail("started")
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert not [t.name for t in set(threading.enumerate()) - threads if t.is_alive()]
+    assert json.loads((tmp_path / "lease.json").read_text())["released"] is not None
+    monkeypatch.setenv("FTKIT_DEADLINE", str(int(now) + 3600))
+    with ftkit.FaultTolerance(tmp_path, state={"x": {"a": 1}}) as ft:
+        assert ft.budget.end_time == int(now) + 3600
+        assert signal.getsignal(signal.SIGTERM) is not before
+
+
+def test_a_run_resumed_past_its_total_trains_nothing_and_writes_no_mislabelled_checkpoint(tmp_path: Path) -> None:
+    """Trained to step 6 before, run again with ``range(5)`` (the total lowered by mistake):
+    no step runs, and no checkpoint of step 5 is written (it would hold step 6's state), so
+    retention drops none of the real ones; the run says so."""
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    cfg = ftkit.Config(save_every=2, checkpoint=ftkit.CheckpointConfig(keep_last=3))
+    with ftkit.FaultTolerance(tmp_path, state={"model": model}, config=cfg) as ft:
+        for _ in ft.range(6):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+    steps = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
+    assert steps[-3:] == ["step-00000002", "step-00000004", "step-00000006"], steps
+    ran = []
+    with ftkit.FaultTolerance(tmp_path, state={"model": model}, config=cfg) as ft:
+        ran = list(ft.range(5))
+    assert ran == [] and ft.completed
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == steps
+    ends = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "exit"]
+    assert ends[-1]["completed"] is True
+
+
 def test_burst_while_saving_changes_only_the_log(tmp_path: Path) -> None:
     """Save requests that arrive before a save has finished are covered by it."""
 

@@ -180,6 +180,27 @@ class FaultTolerance:
             on_lost=lambda why: self.box.post(Request(Action.EXIT, Source.API, why, requeue=False)),
             checkpoint_root=root if outside else None)
         self._started = True
+        try:
+            self._start_triggers(killed)
+        except BaseException:  # a deadline out of range, a watcher that cannot start: nothing of it stays
+            self._undo_start()
+            raise
+        self.events.emit(
+            "start",
+            world_size=self.world_size,
+            job_id=slurm.job_id,
+            restart_count=slurm.restart_count,
+            kill_switch=self._no_save_at_start,
+            observer=self._watcher.observer_kind,
+            deadline=self.budget.end_time,
+            checkpoint_root=str(root),
+            **self.runclock.start_fields(),
+        )
+        return self
+
+    def _start_triggers(self, killed: bool) -> None:
+        """``start``'s part after the lease: the signal handlers, the job dir's watcher, the
+        time budget, the hang watchdog."""
         if killed:
             self._no_save_at_start = True
             log.warning("kill-switch %s exists: this run saves nothing and exits at its first check",
@@ -197,18 +218,23 @@ class FaultTolerance:
             self.watchdog.start()
         if self.config.save_every == "auto":
             self._auto = self._auto_interval()
-        self.events.emit(
-            "start",
-            world_size=self.world_size,
-            job_id=slurm.job_id,
-            restart_count=slurm.restart_count,
-            kill_switch=self._no_save_at_start,
-            observer=self._watcher.observer_kind,
-            deadline=self.budget.end_time,
-            checkpoint_root=str(root),
-            **self.runclock.start_fields(),
-        )
-        return self
+
+    def _undo_start(self) -> None:
+        """Take down what a failed ``start`` set up: the process gets its signal handlers back,
+        no thread of this run stays, and the job dir's lease is released (another
+        ``FaultTolerance`` of this job dir may start)."""
+        self._started = False
+        for stop in (self.watchdog.stop, self._watcher.close, self._signals.close):
+            try:
+                stop()
+            except Exception:  # the start's own error is the one to raise
+                log.debug("undoing a failed start: %s", stop, exc_info=True)
+        if self._lease is not None:
+            try:
+                self._lease.release()
+            except Exception:
+                log.debug("undoing a failed start: releasing the lease", exc_info=True)
+            self._lease = None
 
     def close(self) -> None:
         """Wait until pending checkpoints are durable, stop watchers, restore signal handlers,
@@ -399,6 +425,8 @@ class FaultTolerance:
         """Yield the steps still to do (after resuming), acting on decisions between them.
 
         Stops early when an exit is decided; ``completed`` is True only if ``total`` was reached.
+        Resumed past ``total`` (trained further before), it yields nothing and writes no
+        checkpoint (one of step ``total`` would hold a later step's state), with a warning.
         """
         try:
             yield from self._range(total, start)
@@ -421,6 +449,11 @@ class FaultTolerance:
                     pin(first)
             self._consume(decision)
         if decision.exit:
+            return
+        if first > total:  # trained further before: a checkpoint of step total would hold step first's state
+            log.warning("resumed at step %d, past range(total=%d): nothing left to train, and no checkpoint "
+                        "is written at step %d (it would hold step %d's state)", first, total, total, first)
+            self.completed = True
             return
         for s in range(first, total):
             yield s

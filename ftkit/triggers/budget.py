@@ -38,7 +38,8 @@ class BudgetConfig:
     """When to stop before the job's time runs out."""
 
     deadline: float | None = None
-    """UNIX time the job must be done by; None looks it up (``env_var``, then SLURM)."""
+    """UNIX time the job must be done by; None looks it up (``env_var``, then SLURM). One out
+    of range (milliseconds) is refused here, one already past at start."""
 
     env_var: str = "FTKIT_DEADLINE"
     """Environment variable holding the deadline as UNIX seconds or ISO-8601 time."""
@@ -67,6 +68,8 @@ class BudgetConfig:
             raise ConfigError(
                 f"budget.deadline: got {self.deadline!r}; give UNIX seconds or leave it unset"
             )
+        if self.deadline is not None:
+            _in_range(float(self.deadline), "budget.deadline", self.deadline)
         if not isinstance(self.env_var, str) or not self.env_var.strip():
             raise ConfigError(
                 f"budget.env_var: got {self.env_var!r}; name an environment variable, "
@@ -91,7 +94,7 @@ def parse_deadline(text: str, *, setting: str) -> float:
     except ValueError:
         try:
             iso = value[:-1] + "+00:00" if value.endswith(("Z", "z")) else value
-            return datetime.fromisoformat(iso).timestamp()
+            return _in_range(datetime.fromisoformat(iso).timestamp(), setting, text)
         except ValueError:
             raise ConfigError(
                 f"{setting}: cannot read {text!r} as a deadline; give UNIX seconds "
@@ -99,7 +102,21 @@ def parse_deadline(text: str, *, setting: str) -> float:
             ) from None
     if not math.isfinite(seconds):
         raise ConfigError(f"{setting}: got {text!r}; give finite UNIX seconds")
-    return seconds
+    return _in_range(seconds, setting, text)
+
+
+_LATEST = 253402300799.0  # 9999-12-31T23:59:59Z: past it, no datetime can show the deadline
+
+
+def _in_range(seconds: float, setting: str, given: object) -> float:
+    """``seconds`` if a UNIX time a deadline can be (from 1970 to the year 9999), else a
+    ConfigError naming ``setting`` (and milliseconds, where it looks like them)."""
+    if 0 <= seconds <= _LATEST:
+        return seconds
+    hint = (f" ({seconds / 1000:.0f} s, if those are milliseconds)" if 0 <= seconds / 1000 <= _LATEST
+            else "")
+    raise ConfigError(f"{setting}: {given!r} is not a UNIX time in seconds{hint}; give seconds since 1970 "
+                      "(e.g. $(date -d '+2 hours' +%s)) or an ISO-8601 time (e.g. 2025-01-01T00:00:00+00:00)")
 
 
 _Lookup = Callable[[float | None], float | None]  # lookup(timeout or None) -> end time or None
@@ -172,6 +189,12 @@ class TimeBudget:
             return self
         self._started = True
         self.end_time, self.source, lookup = self._resolve()
+        given = {"budget.deadline": "budget.deadline", f"${self.config.env_var}": f"environment variable {self.config.env_var}"}
+        if self.end_time is not None and self.source in given and self.end_time <= self._clock():
+            self._started = False  # an explicit deadline already past: no run can use it
+            raise ConfigError(
+                f"{given[self.source]}: the deadline {_when(self.end_time)} is {self._clock() - self.end_time:.0f} s "
+                "in the past (a value left from an earlier job?); give this job's end time, or unset it")
         if lookup is not None and self.config.refresh_every > 0:
             self._ask = lookup
             self._next_refresh = self._clock() + self.config.refresh_every
