@@ -2,11 +2,14 @@
 
 Lines are appended with a single ``write`` on a file opened with ``O_APPEND``, so lines
 from several ranks or processes on a local filesystem never interleave. Readers skip a
-torn last line (a process killed mid-write) instead of failing.
+torn last line (a process killed mid-write, a full disk) instead of failing, and the next
+writer ends it before its own line, so no record written later is lost with it (a log torn
+before this was written: the reader finds the record after the torn part of the line).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -47,9 +50,13 @@ class EventLog:
         record.update(fields)
         line = (json.dumps(record, default=str, sort_keys=False) + "\n").encode()
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                os.write(fd, line)
+                size = os.fstat(fd).st_size
+                if size and os.pread(fd, 1, size - 1) != b"\n":  # a torn last line: ended first
+                    line = b"\n" + line
+                while line:
+                    line = line[os.write(fd, line):]
             finally:
                 os.close(fd)
         except OSError as exc:  # the audit trail must never stop training
@@ -67,6 +74,11 @@ def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
                 try:
                     yield json.loads(raw)
                 except json.JSONDecodeError:
-                    continue
+                    # a torn line a later record was appended to (by a writer before this one
+                    # ended torn lines): that record is whole after the torn part
+                    at = raw.rfind(b'{"time": ')
+                    if at > 0:
+                        with contextlib.suppress(json.JSONDecodeError):
+                            yield json.loads(raw[at:])
     except FileNotFoundError:
         return
