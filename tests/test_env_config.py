@@ -83,3 +83,21 @@ def test_os_environ_is_the_default(monkeypatch, tmp_path):
     monkeypatch.setenv("FTKIT_JOBDIR", str(tmp_path / "job"))
     assert config_from_env().agreement.every == 7
     assert jobdir_from_env() == Path(tmp_path / "job")
+
+
+@pytest.mark.parametrize(("settings", "said"), [
+    ({"async_save": True}, r"async_save: expected an AsyncConfig\(...\) or None, got True"),
+    ({"checkpoint": {"keep_last": 5}}, r"checkpoint: expected a CheckpointConfig\(...\) or None, got \{'keep_last': 5\} "
+                                       r"\(a dict: pass its settings as keywords, CheckpointConfig\(\*\*settings\)\)"),
+    ({"signals": {"TERM": "save-exit"}}, r"signals: expected a SignalConfig\(...\), got"),
+    ({"budget": None}, r"budget: expected a BudgetConfig\(...\), got None"),
+    ({"save_every": True}, r"save_every: must be a whole number of steps >= 1"),
+    ({"save_at_end": "no"}, r"save_at_end: expected True or False, got 'no'"),
+])
+def test_a_config_part_of_the_wrong_kind_is_refused_when_built(settings, said):
+    """Refused by ``Config(...)`` naming the setting, not an AttributeError at ``with``."""
+    import ftkit
+    from ftkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=said):
+        ftkit.Config(**settings)

@@ -81,8 +81,24 @@ class Config:
 
     def __post_init__(self) -> None:
         if self.save_every is not None and self.save_every != "auto" and (
-                not isinstance(self.save_every, int) or self.save_every < 1):
+                not isinstance(self.save_every, int) or isinstance(self.save_every, bool) or self.save_every < 1):
             raise ConfigError(f"save_every: must be a whole number of steps >= 1, 'auto' or None, got {self.save_every!r}")
+        from ..checkpoint.background.config import AsyncConfig
+        from ..checkpoint.config import CheckpointConfig
+
+        parts: dict[str, tuple[type, bool]] = {  # field: its class, and whether None is allowed
+            "signals": (SignalConfig, False), "watch": (WatchConfig, False), "budget": (BudgetConfig, False),
+            "agreement": (AgreementConfig, False), "checkpoint": (CheckpointConfig, True),
+            "async_save": (AsyncConfig, True), "watchdog": (WatchdogConfig, False),
+            "interval": (IntervalConfig, False), "timing": (TimingConfig, False), "lease": (LeaseConfig, False)}
+        for name, (kind, optional) in parts.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind) and not (optional and value is None):
+                raise ConfigError(f"{name}: expected {'an' if kind.__name__[0] in 'AEIOU' else 'a'} {kind.__name__}(...){' or None' if optional else ''}, got "
+                                  f"{value!r}" + (" (a dict: pass its settings as keywords, "
+                                                  f"{kind.__name__}(**settings))" if isinstance(value, dict) else ""))
+        if not isinstance(self.save_at_end, bool):
+            raise ConfigError(f"save_at_end: expected True or False, got {self.save_at_end!r}")
 
 
 def _dist_info(process_group: Any) -> tuple[int, int, Any]:
