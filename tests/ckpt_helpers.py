@@ -89,7 +89,7 @@ def assert_same_values(a, b, where: str = "state") -> None:
 
 
 def build_state(seed: int = 0, rank: int = 0, world_size: int = 1, device: str = "cpu", tied: bool = False,
-                hidden: int = 32, fsdp: bool = False):
+                hidden: int = 32, fsdp: bool = False, cosine: bool = False):
     import torch
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
@@ -114,7 +114,8 @@ def build_state(seed: int = 0, rank: int = 0, world_size: int = 1, device: str =
         model = nn.parallel.DistributedDataParallel(model)
     torch.manual_seed(seed + 1000 * rank)  # per-rank dropout streams
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
+    sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=8) if cosine else
+             torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7))
     sampler = ResumableSampler(len(x), seed=seed, rank=rank, world_size=world_size)
     loader = DataLoader(
         TensorDataset(x, y),
@@ -217,7 +218,8 @@ def load_main(argv: list[str]) -> None:
     line before the last says whether they still do (``tied True``).
     ``--hidden N``: the model's hidden layer N wide (not the 32 it is saved with: a changed model).
     ``--fsdp``: on several ranks, the model sharded with FSDP2 (``fully_shard``), not in DDP;
-    ``--out`` then writes its whole tensors.
+    ``--out`` then writes its whole tensors. ``--cosine``: a CosineAnnealingLR where the
+    checkpoints have a StepLR's state (a scheduler of another kind).
     Before the last line, one line per DCP streaming reader: ``reader direct=... read=[...]``,
     and one per state file read into the live tensors: ``state file into live: direct=...
     undo=... keep=...``."""
@@ -246,6 +248,7 @@ def load_main(argv: list[str]) -> None:
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--one-rank-per-host", action="store_true")
     ap.add_argument("--fsdp", action="store_true")
+    ap.add_argument("--cosine", action="store_true")
     a = ap.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if a.one_rank_per_host:  # as torchrun launches one rank on each of several hosts
@@ -256,7 +259,8 @@ def load_main(argv: list[str]) -> None:
         def fail(self, plan, planner):
             raise RuntimeError(f"rank {rank}: the read failed on purpose")
         StreamingReader.read_data = fail  # type: ignore[method-assign]
-    state, _ = build_state(rank=rank, world_size=world, device=a.device, tied=a.tied, hidden=a.hidden, fsdp=a.fsdp)
+    state, _ = build_state(rank=rank, world_size=world, device=a.device, tied=a.tied, hidden=a.hidden, fsdp=a.fsdp,
+                           cosine=a.cosine)
     if rank == a.extra_key_on:
         import torch
 
@@ -340,7 +344,8 @@ def load_main(argv: list[str]) -> None:
         raw = state["model"].module if hasattr(state["model"], "module") else state["model"]
         model_sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v  # a collective: same order on every rank
                     for k, v in raw.state_dict().items()}
-        torch.save({"model": model_sd, "optimizer": state["optimizer"].state_dict()}, f"{a.out}.rank{rank}")
+        torch.save({"model": model_sd, "optimizer": state["optimizer"].state_dict(),
+                    "scheduler": state["scheduler"].state_dict()}, f"{a.out}.rank{rank}")
     for direct, reader in readers:
         print(f"reader direct={direct} read={reader.files_read}")
     for line in into_live:

@@ -718,6 +718,29 @@ def test_a_one_process_checkpoint_is_refused_by_a_changed_fsdp_model_before_anyt
             assert torch.equal(after["model"][key], value), (rank, key)
 
 
+@pytest.mark.parametrize("saved_by", [1, 2], ids=["one-process", "dcp"])
+def test_a_scheduler_of_another_kind_is_refused_on_every_rank_before_anything_is_loaded(tmp_path, trained, saved_by):
+    """Two ranks whose scheduler is a CosineAnnealingLR where the checkpoints hold a StepLR's
+    state: every rank refuses the newest naming the scheduler, falls back to no older one (it
+    has the same kind), and keeps the state as built (a one-process checkpoint is read into
+    the live tensors, a DCP one streamed into them: neither may reach them)."""
+    from tests.ckpt_helpers import build_state
+
+    root = tmp_path / "ck"
+    trained(root, saved_by, 4, 7)
+    outs = run_ranks(["load", "--root", str(root), "--cosine", "--out", str(tmp_path / "after")], 2)
+    fresh, _ = build_state()
+    for rank, out in enumerate(outs):
+        said = out.strip().splitlines()[-1]
+        assert re.search(r"^CheckpointError: (rank \d: )?\S*step-00000007\S* does not fit the live state: "
+                         r"state\['scheduler'\]: the checkpoint's scheduler lacks T_max, eta_min of the live "
+                         r"CosineAnnealingLR \(saved by another scheduler\? its settings: gamma, step_size\)", said), said
+        after = torch.load(tmp_path / f"after.rank{rank}", weights_only=False)
+        assert after["optimizer"]["state"] == {} and after["scheduler"]["last_epoch"] == 0
+        for key, value in fresh["model"].state_dict().items():
+            assert torch.equal(after["model"][key], value), (rank, key)
+
+
 class _Reshaping(torch.nn.Module):
     """A module that takes its weight in any shape of the same size (an older layout)."""
 
@@ -2044,10 +2067,46 @@ def test_a_model_or_optimizer_whose_keys_changed_is_refused_before_anything_is_l
                                  r"parameters, the live one \[2, 2\]",
             "optimizer changed": r"state\['optimizer'\]: param group 0 of the checkpoint lacks dampening, momentum "
                                  r"of the live SGD \(saved by another optimizer\? its settings: amsgrad, betas"}[change]
-    with pytest.raises(CheckpointError, match=rf"step-00000002/rank-00000.pt does not fit the live state: {said}"):
+    with pytest.raises(CheckpointError, match=rf"step-00000002/rank-00000.pt does not fit the live state: {said}") as caught:
         make_mgr(root).load(state)
+    what = {"buffer added": "model", "layer removed": "model and optimizer"}.get(change, "optimizer")
+    assert f"The {what} changed since this checkpoint was saved" in str(caught.value)
     assert state["epoch"] == 0 and opt.state_dict()["state"] == {}
     assert all(torch.equal(model.state_dict()[k], v) for k, v in built.items())
+
+
+@pytest.mark.parametrize("older", [True, False])
+def test_a_scheduler_of_another_kind_is_refused_before_anything_is_loaded(tmp_path, older):
+    """``StepLR`` where ``CosineAnnealingLR`` was saved: torch's ``load_state_dict`` takes
+    Cosine's state into the StepLR without a word, and it goes on with Cosine's learning rate
+    (0 at the end of its cycle) for good. Refused naming the file, the scheduler and both kinds'
+    settings, the state as it was built; the scheduler it was saved with loads."""
+    root = tmp_path / "ck"
+    mgr = make_mgr(root, keep_last=None)
+    torch.manual_seed(0)
+    model, opt = _model()
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)
+    for step in (1, 2) if older else (2,):
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        cosine.step()
+        mgr.save(step, {"model": model, "optimizer": opt, "scheduler": cosine})
+    torch.manual_seed(1)
+    model, opt = _model()
+    built = {k: v.clone() for k, v in model.state_dict().items()}
+    step_lr = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
+    state = {"model": model, "optimizer": opt, "scheduler": step_lr}
+    with pytest.raises(CheckpointError, match=r"step-00000002\S* does not fit the live state: state\['scheduler'\]: the "
+                                              r"checkpoint's scheduler lacks step_size, gamma of the live StepLR \(saved "
+                                              r"by another scheduler\? its settings: T_max, eta_min\)\. The scheduler "
+                                              r"changed since this checkpoint was saved") as caught:
+        make_mgr(root).load(state)
+    assert "Nothing of the checkpoint was loaded" in str(caught.value)
+    assert opt.state_dict()["state"] == {} and step_lr.last_epoch == 0 and "T_max" not in vars(step_lr)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in built.items())
+    again = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)
+    assert make_mgr(root).load({"model": model, "optimizer": opt, "scheduler": again}) == 2
+    assert again.state_dict() == cosine.state_dict()
 
 
 def test_a_changed_model_inside_a_wrapper_is_refused_naming_only_what_changed(tmp_path):

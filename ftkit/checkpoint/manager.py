@@ -47,6 +47,7 @@ from .protocol import CheckpointManager
 from .state.keys import check_missing, describe_rule, is_dcp, match_keys, refusal
 from .state.restore import (
     SetAside,
+    group_settings,
     key_mismatches,
     live_targets,
     misfit,
@@ -54,6 +55,8 @@ from .state.restore import (
     own_tensors,
     reachable_tensors,
     restore_state,
+    scheduler_mismatches,
+    settings_replaced,
     shape_mismatches,
 )
 from .state.snapshot import Snapshot, derive_rng, restore_rng, take_snapshot
@@ -283,10 +286,21 @@ class Checkpointer(CheckpointManager):
         # DCP gives an optimizer without state zeros to load into before it reads (a requeued
         # job's, before its first step): a load that fails takes them away again
         fresh = [v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state]
+        settings = group_settings(state)  # the script's, before the checkpoint's replace them
         try:
             restored = self._load(state, step, began)
             if step is not None:  # a step asked for: a history goes on from it (later ones go aside)
                 self.commits.fork(step)
+            if restored is not None and self.rank == 0:
+                replaced = settings_replaced(settings, state)
+                if replaced:
+                    log.warning(
+                        "%s: the optimizer settings saved in it replace the script's: %s. Torch's "
+                        "load_state_dict restores the saved param groups; to change one on resume, set it after "
+                        "the load (for g in optimizer.param_groups: g['weight_decay'] = ...; a learning rate "
+                        "under a scheduler also in scheduler.base_lrs)", self.loaded.path if self.loaded else
+                        restored, "; ".join(replaced))
+                    self._emit("settings-replaced", step=restored, settings=replaced)
             return restored
         except BaseException:
             for optimizer in fresh:
@@ -351,7 +365,7 @@ class Checkpointer(CheckpointManager):
             kept: SetAside | None = None
             ran = False  # the read began, on every rank (the problems before it agreed on)
             try:
-                refused = (self._refusal(state, early.available, path)
+                refused = (self._refusal(state, early.available, path, early.payload.get("state"))
                            if early is not None and not early.problem else "")
                 problem = self._agree(problem or (early.problem if early is not None else "") or refused)
                 found = time.monotonic()
@@ -501,10 +515,15 @@ class Checkpointer(CheckpointManager):
             early.problem = str(exc) or type(exc).__name__
         return early
 
-    def _refusal(self, state: Mapping[str, Any], available: set[str], path: Path) -> str:
-        """This rank's refusal of ``path`` (:func:`ftkit.checkpoint.state.keys.refusal`) as a
-        problem for the ranks to agree on (marked, and naming the rank where there are several)."""
+    def _refusal(self, state: Mapping[str, Any], available: set[str], path: Path,
+                 saved: Mapping[str, Any] | None = None) -> str:
+        """This rank's refusal of ``path`` (:func:`ftkit.checkpoint.state.keys.refusal`; with its
+        state file's ``saved`` state, a scheduler of another kind too) as a problem for the ranks
+        to agree on (marked, and naming the rank where there are several)."""
         text = refusal(state, available, self.config, path)
+        if not text and isinstance(saved, Mapping):
+            schedulers = scheduler_mismatches(state, saved)
+            text = misfit(path, schedulers) if schedulers else ""
         if not text:
             return ""
         return _REFUSED + (f"rank {self.rank}: {text}" if self.comm.distributed else text)
@@ -569,7 +588,7 @@ class Checkpointer(CheckpointManager):
                 problem = _REFUSED + f"could not read {path / name}: rank {self.rank}: {type(exc).__name__}: {exc}"
             # one problem for every rank: a broken file is skipped, a key the checkpoint lacks
             # refused (on every rank, also where only some ranks' states have it)
-            problem = self.comm.first_problem(problem or self._refusal(state, available, path))
+            problem = self.comm.first_problem(problem or self._refusal(state, available, path, payload.get("state")))
             if problem.startswith(_REFUSED):
                 raise CheckpointError(problem[len(_REFUSED):])
             if problem:
@@ -603,6 +622,12 @@ class Checkpointer(CheckpointManager):
         sharded = is_dcp(info.files)
         if self.rank == 0 and saved_world != self.world_size:
             log.warning("%s", describe_rule(path, saved_world, self.world_size))
+        unused = sorted(k for k in available if k not in state)
+        if unused and self.rank == 0:  # removed from the script since? (a key it lacks is refused)
+            names = ", ".join(f"state[{k!r}]" for k in unused)
+            log.warning("checkpoint %s has %s, which this run's state has no key for: not restored (removed from "
+                        "the training script since?)", path, names)
+            self._emit("unused-state", step=info.step, path=str(path), keys=unused)
         allowed = check_missing(state, available, self.config, path, self._emit, info.step)
         import torch
 
@@ -681,7 +706,7 @@ class Checkpointer(CheckpointManager):
             if not agreed:
                 saved = payload.get("state")
                 keys = set(saved) if isinstance(saved, Mapping) else set()
-                agreed.append(self.comm.first_problem(self._refusal(state, keys, path)))
+                agreed.append(self.comm.first_problem(self._refusal(state, keys, path, saved)))
             if agreed[0]:  # read into memory of its own: the load refuses or skips it next
                 return {}
             found = self._targets(state, payload, path)

@@ -15,6 +15,7 @@ copied into, so a resume can read the file straight into them (``io.statefile``)
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 from collections.abc import Callable, Mapping, MutableMapping
@@ -30,6 +31,7 @@ __all__ = [
     "SetAside",
     "clone_tensors",
     "full_mismatches",
+    "group_settings",
     "key_mismatches",
     "live_targets",
     "loaded_by_torch",
@@ -39,6 +41,8 @@ __all__ = [
     "own_tensors",
     "reachable_tensors",
     "restore_state",
+    "scheduler_mismatches",
+    "settings_replaced",
     "shape_mismatches",
 ]
 
@@ -220,11 +224,58 @@ def full_mismatches(key: str, module: torch.nn.Module, live: Mapping[str, Any], 
 
 def misfit(where: Any, misfits: list[str]) -> str:
     """The refusal of a checkpoint ``where`` whose tensors or keys do not fit the live state
-    (:func:`shape_mismatches`, :func:`key_mismatches`, a DCP load's removed layers)."""
+    (:func:`shape_mismatches`, :func:`key_mismatches`, :func:`scheduler_mismatches`, a DCP
+    load's removed layers), naming what changed: the model, its optimizer, its scheduler."""
     more = f" and {len(misfits) - 3} more" if len(misfits) > 3 else ""
-    return (f"{where} does not fit the live state: {'; '.join(misfits[:3])}{more}. The model changed since "
-            "this checkpoint was saved: resume with the model it was saved from, or start the changed one "
-            "in a new job dir (or with checkpoint.resume='never'). Nothing of the checkpoint was loaded")
+    said = {_kind_of(m) for m in misfits}
+    kinds = [kind for kind in ("model", "optimizer", "scheduler") if kind in said] or ["model"]
+    what = kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + " and " + kinds[-1]
+    return (f"{where} does not fit the live state: {'; '.join(misfits[:3])}{more}. The {what} changed since "
+            f"this checkpoint was saved: resume with the {what} it was saved with, or start the changed "
+            f"{'one' if len(kinds) == 1 else 'ones'} in a new job dir (or with checkpoint.resume='never'). "
+            "Nothing of the checkpoint was loaded")
+
+
+def _kind_of(mismatch: str) -> str:
+    """What a mismatch of :func:`misfit`'s is about (by the words only those of an optimizer
+    or a scheduler say: a model's names may hold any word)."""
+    if "(saved by another optimizer?" in mismatch or "the checkpoint's optimizer has param groups" in mismatch:
+        return "optimizer"
+    if "the checkpoint's scheduler lacks" in mismatch:
+        return "scheduler"
+    return "model"
+
+
+_NOT_SETTINGS = frozenset({"self", "optimizer", "last_epoch", "verbose"})
+
+
+def scheduler_mismatches(state: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
+    """A learning-rate scheduler of another kind than the one saved (``StepLR`` live,
+    ``CosineAnnealingLR`` in the checkpoint): torch's ``LRScheduler.load_state_dict`` takes any
+    dict into the object, so the live scheduler would go on with the other's settings beside
+    its own (a ``StepLR`` with Cosine's learning rates, 0 for good), raising nothing. Found by
+    the live class's own settings (its constructor's parameters it keeps under their names)
+    missing from the saved state. Only a scheduler whose ``load_state_dict`` is torch's own."""
+    from torch.optim.lr_scheduler import LRScheduler
+
+    found: list[str] = []
+    for key, live in state.items():
+        theirs = saved.get(key)
+        if (not isinstance(live, LRScheduler) or not isinstance(theirs, Mapping)
+                or type(live).load_state_dict is not LRScheduler.load_state_dict):
+            continue
+        try:
+            params = inspect.signature(type(live).__init__).parameters
+        except (TypeError, ValueError):
+            continue
+        own = [n for n in params if n not in _NOT_SETTINGS and n in vars(live)]
+        lacking = [n for n in own if n not in theirs]
+        if lacking:
+            settings = ", ".join(sorted(k for k in theirs if isinstance(k, str) and not k.startswith("_")
+                                        and k not in ("base_lrs", "last_epoch", "verbose")))
+            found.append(f"state[{key!r}]: the checkpoint's scheduler lacks {', '.join(lacking)} of the live "
+                         f"{type(live).__name__} (saved by another scheduler? its settings: {settings or 'none'})")
+    return found
 
 
 def loaded_by_torch(modules: Mapping[str, torch.nn.Module], name: str) -> bool:
@@ -279,7 +330,7 @@ def key_mismatches(state: Mapping[str, Any], saved: Mapping[str, Any]) -> list[s
                              f"the live one {live_sizes}")
             else:
                 found += [f"state[{key!r}]: {m}" for m in _group_key_mismatches(live, groups)]
-    return found
+    return found + scheduler_mismatches(state, saved)
 
 
 def _wrapper(module: torch.nn.Module) -> bool:
@@ -313,6 +364,44 @@ def _group_key_mismatches(live: torch.optim.Optimizer, groups: list[Any]) -> lis
             saved = ", ".join(sorted(k for k in theirs if k != "params" and isinstance(k, str)))
             found.append(f"param group {i} of the checkpoint lacks {', '.join(lacking)} of the live "
                          f"{type(live).__name__} (saved by another optimizer? its settings: {saved})")
+    return found
+
+
+def group_settings(state: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The settings of every optimizer's param groups in ``state`` (not its parameters), by
+    key: what a load replaces with the checkpoint's (:func:`settings_replaced`)."""
+    return {key: [{k: v for k, v in group.items() if k not in ("params", "param_names")}
+                  for group in value.param_groups]
+            for key, value in state.items() if isinstance(value, torch.optim.Optimizer)}
+
+
+def _setting(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist() if value.numel() <= 8 else None  # a capturable optimizer's lr, say
+    return list(value) if isinstance(value, tuple) else value
+
+
+def settings_replaced(before: Mapping[str, list[dict[str, Any]]], state: Mapping[str, Any]) -> list[str]:
+    """The settings of ``before`` (:func:`group_settings`, taken before a load) that the load
+    changed, as ``state['optimizer'] param group 0: weight_decay 0.05 -> 0.0``: torch's
+    ``load_state_dict`` restores the saved param groups, so a setting changed in the script
+    since the save is silently the checkpoint's again. The learning rate only where no
+    scheduler keeps its own (``initial_lr``, compared instead): a scheduler's changes it."""
+    found: list[str] = []
+    for key, groups in before.items():
+        live = state.get(key)
+        if not isinstance(live, torch.optim.Optimizer) or len(live.param_groups) != len(groups):
+            continue
+        for i, (was, group) in enumerate(zip(groups, live.param_groups, strict=True)):
+            changed = []
+            for name in sorted(was):
+                if (name == "lr" and "initial_lr" in was) or name not in group:
+                    continue
+                old, new = _setting(was[name]), _setting(group[name])
+                if old is not None and new is not None and old != new:
+                    changed.append(f"{name} {was[name]!r} -> {group[name]!r}")
+            if changed:
+                found.append(f"state[{key!r}] param group {i}: {', '.join(changed)}")
     return found
 
 
@@ -508,4 +597,4 @@ def restore_state(state: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
                 )
     for key in saved:
         if key not in state:
-            log.info("checkpoint entry %r has no object in state; ignored", key)
+            log.debug("checkpoint entry %r has no object in state; ignored", key)

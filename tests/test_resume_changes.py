@@ -1,0 +1,72 @@
+"""What a user changes in the training script between runs, and what the resume says of it."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from ftkit.events import EventLog, read_events
+from tests.ckpt_helpers import make_mgr
+
+
+def _saved(root: Path, *, scheduler: bool = True, wd: float = 0.01) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=wd)
+    state: dict = {"model": model, "optimizer": opt}
+    if scheduler:
+        state["scheduler"] = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    if scheduler:
+        state["scheduler"].step()
+    make_mgr(root).save(1, state)
+
+
+@pytest.mark.parametrize("changed", [True, False])
+def test_optimizer_settings_the_checkpoint_replaces_are_named(tmp_path, caplog, changed):
+    """The script now sets weight_decay 0.05 and a base learning rate of 0.1 (a scheduler's
+    ``initial_lr``): torch's ``load_state_dict`` puts the saved param groups back, so the run
+    goes on with 0.01 and 0.01. The load says which settings were replaced, in a warning and
+    a ``settings-replaced`` event; unchanged settings (and the scheduled learning rate, which
+    differs from the script's at every resume) say nothing."""
+    root = tmp_path / "ck"
+    _saved(root)
+    torch.manual_seed(1)
+    model = torch.nn.Linear(4, 2)
+    lr, wd = (0.1, 0.05) if changed else (0.01, 0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    events = EventLog(tmp_path / "events.jsonl")
+    with caplog.at_level(logging.WARNING, logger="ftkit"):
+        assert make_mgr(root, events=events).load({"model": model, "optimizer": opt, "scheduler": sched}) == 1
+    assert opt.param_groups[0]["weight_decay"] == 0.01 and opt.param_groups[0]["initial_lr"] == 0.01
+    said = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "settings-replaced"]
+    warned = [r.getMessage() for r in caplog.records if "replace the script's" in r.getMessage()]
+    if not changed:
+        assert said == [] and warned == []
+        return
+    expect = "state['optimizer'] param group 0: initial_lr 0.1 -> 0.01, weight_decay 0.05 -> 0.01"
+    assert [e["settings"] for e in said] == [[expect]] and said[0]["step"] == 1
+    assert len(warned) == 1 and expect in warned[0] and "step-00000001" in warned[0], warned
+
+
+def test_a_state_key_removed_from_the_script_is_said_not_restored(tmp_path, caplog):
+    """The checkpoint has a scheduler, the script's state no longer does: the load goes on
+    (nothing of the state is missing), saying the scheduler's state was not restored, in a
+    warning and an ``unused-state`` event."""
+    root = tmp_path / "ck"
+    _saved(root)
+    torch.manual_seed(1)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    events = EventLog(tmp_path / "events.jsonl")
+    with caplog.at_level(logging.WARNING, logger="ftkit"):
+        assert make_mgr(root, events=events).load({"model": model, "optimizer": opt}) == 1
+    unused = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "unused-state"]
+    assert [(e["step"], e["keys"]) for e in unused] == [(1, ["scheduler"])]
+    assert any("has state['scheduler'], which this run's state has no key for: not restored" in r.getMessage()
+               for r in caplog.records)
