@@ -344,8 +344,10 @@ def load_main(argv: list[str]) -> None:
         raw = state["model"].module if hasattr(state["model"], "module") else state["model"]
         model_sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v  # a collective: same order on every rank
                     for k, v in raw.state_dict().items()}
-        torch.save({"model": model_sd, "optimizer": state["optimizer"].state_dict(),
-                    "scheduler": state["scheduler"].state_dict()}, f"{a.out}.rank{rank}")
+        scheduler = {k: v for k, v in state["scheduler"].state_dict().items()
+                     if k != "load_state_dict"}  # --fail-restore-on's stand-in is not state
+        torch.save({"model": model_sd, "optimizer": state["optimizer"].state_dict(), "scheduler": scheduler},
+                   f"{a.out}.rank{rank}")
     for direct, reader in readers:
         print(f"reader direct={direct} read={reader.files_read}")
     for line in into_live:

@@ -70,3 +70,63 @@ def test_a_state_key_removed_from_the_script_is_said_not_restored(tmp_path, capl
     assert [(e["step"], e["keys"]) for e in unused] == [(1, ["scheduler"])]
     assert any("has state['scheduler'], which this run's state has no key for: not restored" in r.getMessage()
                for r in caplog.records)
+
+
+def _train(job: Path, total: int, *, background: bool = False) -> tuple[torch.nn.Module, bool]:
+    """A deterministic run under ``FaultTolerance`` (each step's batch from its step number)."""
+    import ftkit
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    config = ftkit.Config(save_every=5, checkpoint=ftkit.CheckpointConfig(keep_last=3),
+                          async_save=ftkit.AsyncConfig() if background else None)
+    with ftkit.FaultTolerance(job, state={"model": model, "optimizer": opt}, config=config) as ft:
+        for step in ft.range(total):
+            g = torch.Generator().manual_seed(step)
+            loss = model(torch.randn(8, 64, generator=g)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model, ft.completed
+
+
+def _flip(path: Path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("where", ["pickle", "tensor"])
+def test_a_run_that_fell_back_past_corrupt_checkpoints_replaces_them_and_keeps_the_good_one(tmp_path, background, where):
+    """Steps 15 and 20 of a job dir are corrupt (a byte flipped in their state files' pickle or
+    tensor bytes; sizes unchanged, so they look complete). The next run falls back to step 10
+    and trains on to 25: its saves of 15 and 20 are its own (the broken ones were set aside,
+    not taken for them: "already exists and is valid"), retention counts them, not the broken
+    ones, so step 10 is not deleted for their sake, every checkpoint left verifies, and a
+    resume takes step 25, whose state is exactly an uninterrupted run's."""
+    job = tmp_path / "job"
+    _train(job, 20, background=background)
+    root = job / "checkpoints"
+    for step in (15, 20):
+        state_file = root / f"step-{step:08d}" / "rank-00000.pt"
+        _flip(state_file, 300 if where == "pickle" else state_file.stat().st_size // 2)
+    model, completed = _train(job, 25, background=background)
+    assert completed
+    steps = sorted(p.name for p in root.glob("step-*"))
+    assert steps == ["step-00000015", "step-00000020", "step-00000025"], steps
+    aside = list(root.glob("set-aside-*-after-step-00000010"))
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == ["step-00000015", "step-00000020"]
+    from ftkit.checkpoint import validate_dir
+
+    assert all(validate_dir(root / name, checksums=True).valid for name in steps)
+    events = [e for e in read_events(job / "events.jsonl") if e["event"] in ("skip", "set-aside")]
+    assert [(e["event"], e["step"]) for e in events] == [("skip", 20), ("skip", 15), ("set-aside", 10)]
+    straight, _ = _train(tmp_path / "straight", 25)
+    assert torch.equal(model.weight, straight.weight) and torch.equal(model.bias, straight.bias)
+    again = torch.nn.Linear(64, 64)
+    assert make_mgr(root).load({"model": again, "optimizer": torch.optim.Adam(again.parameters())}) == 25
+    assert torch.equal(again.weight, straight.weight)

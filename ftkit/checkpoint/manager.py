@@ -163,6 +163,7 @@ class Checkpointer(CheckpointManager):
         """The live tensors the last ``_try_load`` read a file straight into, by key of the state
         (None: any tensor under that key, a DCP load's)."""
         self._covered: tuple[set[str], set[int]] = (set(), set())
+        self._passed_broken = False  # the last load skipped a checkpoint that looked complete (_load)
         """What the last ``_try_load`` with ``cover`` restored: keys wholly, and the addresses of
         the other live tensors it wrote."""
 
@@ -291,6 +292,12 @@ class Checkpointer(CheckpointManager):
             restored = self._load(state, step, began)
             if step is not None:  # a step asked for: a history goes on from it (later ones go aside)
                 self.commits.fork(step)
+            elif self._passed_broken:
+                # fell back past checkpoints that look complete but are not (a corrupt file): this
+                # run goes on from the older one, so they go aside before its first save, as for a
+                # step asked for; else its save of such a step would take the broken one for its
+                # own ("already exists and is valid") and retention would count it as good
+                self.commits.fork(restored, broken=True)
             if restored is not None and self.rank == 0:
                 replaced = settings_replaced(settings, state)
                 if replaced:
@@ -316,6 +323,7 @@ class Checkpointer(CheckpointManager):
         else:
             candidates = [self.root / step_name(step)]
         skipped: list[str] = []
+        self._passed_broken = False  # a newer checkpoint skipped that looked complete (corrupt, invalid)
         damaged: Path | None = None  # a corrupt checkpoint read into the live tensors
         held: dict[str, list[Any]] = {}  # the live tensors that hold its bytes, by key of the state
         for i, path in enumerate(candidates):
@@ -419,6 +427,8 @@ class Checkpointer(CheckpointManager):
                            find_seconds=round(found - began, 6), read_seconds=round(time.monotonic() - found, 6))
                 return restored
             skipped.append(f"{path.name}: {problem}")
+            if info.status != "incomplete":  # not a save that never finished (retention's to remove)
+                self._passed_broken = True
             log.warning("skipping checkpoint %s: %s", path, problem)
             self._emit("skip", step=info.step, path=str(path), reason=problem)
         if step is not None and damaged is not None:  # not "no checkpoint": the state is not as it was

@@ -15,10 +15,10 @@ __all__ = ["register"]
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run a small real training job under ftkit (CPU, local by default)")
     p.add_argument("--jobdir", type=Path, default=Path("runs/demo"), help="job dir (default: runs/demo)")
-    p.add_argument("--steps", type=int, default=3000, help="total steps of the run (default: 3000)")
-    p.add_argument("--step-time", type=float, default=0.02,
+    p.add_argument("--steps", type=_at_least(0, int), default=3000, help="total steps of the run (default: 3000)")
+    p.add_argument("--step-time", type=_at_least(0, float), default=0.02,
                    help="extra seconds per step so there is time to poke it (default: 0.02)")
-    p.add_argument("--save-every", type=int, default=500, help="periodic checkpoint cadence (0: off)")
+    p.add_argument("--save-every", type=_at_least(0, int), default=500, help="periodic checkpoint cadence (0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--poll", action="store_true", help="watch switch files by polling (network filesystems)")
     p.add_argument("--async", dest="async_save", action="store_true",
@@ -26,6 +26,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-live", action="store_true", help="plain log lines instead of the live display")
     p.add_argument("--slurm", action="store_true", help="submit the same job with sbatch (one-node template)")
     p.set_defaults(func=_demo)
+
+
+def _at_least(low: float, kind: type) -> Any:
+    """An argparse type: a ``kind`` number >= ``low`` (argparse names the option otherwise)."""
+    def parse(text: str) -> Any:
+        value = kind(text)  # a ValueError: argparse says "invalid ... value"
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def _instructions(jobdir: Path, pid: int) -> Any:

@@ -56,10 +56,12 @@ def collect_report(jobdir: Path, *, gpus_per_node: int | None = None, mtbf: floa
     from ..events import read_events
     from ..jobdir import JobDir
     from ..report import analyse
+    from ._paths import place, wrong_place
 
-    job = JobDir.of(jobdir)
-    if not job.root.is_dir():
-        raise ConfigError(f"job dir {jobdir} does not exist; pass the directory the job was started with")
+    where = place(jobdir)
+    if where.kind not in ("job", "fresh", "other") or where.job_dirs:  # missing, a file, a checkpoint, ...
+        raise ConfigError(wrong_place(where))
+    job = JobDir.of(where.path)
     events = list(read_events(job.events))
     if not any(e.get("event") == "start" for e in events):
         raise ConfigError(f"{job.events} holds no run (no 'start' record): nothing to report")

@@ -172,6 +172,7 @@ class Committer:
         self._failed: set[int] = set()
         self._looked = False
         self._fork: int | None = None  # see fork()
+        self._broken = False
 
     @property
     def root(self) -> Path:
@@ -194,13 +195,15 @@ class Committer:
         finally:
             self._in_progress.discard(step)
 
-    def fork(self, base: int | None) -> None:
+    def fork(self, base: int | None, *, broken: bool = False) -> None:
         """This run goes on from checkpoint ``base`` (None: from nothing), a step loaded by number
-        or ``resume='never'``: the root's later checkpoints, if any, are of another history.
-        Before this run's first save or snapshot they are set aside (:meth:`set_aside_fork`),
-        so that a later resume takes this run's checkpoints, not theirs, and none of this run's
-        saves is taken for one of them. Set the same way on every rank; a later load replaces it."""
+        or ``resume='never'``: the root's later checkpoints, if any, are of another history
+        (``broken``: the load fell back past them, finding them corrupt). Before this run's first
+        save or snapshot they are set aside (:meth:`set_aside_fork`), so that a later resume
+        takes this run's checkpoints, not theirs, and none of this run's saves is taken for one
+        of them. Set the same way on every rank; a later load replaces it."""
         self._fork = -1 if base is None else base
+        self._broken = broken
 
     def unfork(self) -> None:
         self._fork = None
@@ -240,9 +243,15 @@ class Committer:
         self._failed.difference_update(s for s in steps if s is not None)
         names = ", ".join(path.name for path in sorted(later))
         since = f"from step {base}" if base >= 0 else "fresh (checkpoint.resume='never')"
-        log.warning("this run went on %s, so the later checkpoints of another history (%s) were moved to %s: "
-                    "resume takes this run's checkpoints now; delete that directory once it is not wanted",
-                    since, names, aside)
+        if self._broken:
+            since = f"from step {base}" if base >= 0 else "fresh"
+            log.warning("this run went on %s, past the later checkpoints its load found broken (%s), so they were "
+                        "moved to %s: none of this run's saves is taken for one of them; look into them (ftkit verify), "
+                        "then delete that directory", since, names, aside)
+        else:
+            log.warning("this run went on %s, so the later checkpoints of another history (%s) were moved to %s: "
+                        "resume takes this run's checkpoints now; delete that directory once it is not wanted",
+                        since, names, aside)
         self._emit("set-aside", step=base if base >= 0 else None, path=str(aside), steps=steps)
         return aside
 

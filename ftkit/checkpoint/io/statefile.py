@@ -282,8 +282,10 @@ def _parse(view: memoryview, mapping: Any, records: Mapping[str, tuple[int, int]
     try:
         return ser._load(reader, "cpu", ser._weights_only_unpickler, overall_storage=storage,
                          encoding="utf-8")
-    except pickle.UnpicklingError as exc:  # the message torch.load gives
-        raise pickle.UnpicklingError(ser._get_wo_message(str(exc))) from None
+    except pickle.UnpicklingError as exc:  # torch.load's words for it where this torch has them (not 2.13's)
+        said = getattr(ser, "_get_wo_message", None)
+        raise pickle.UnpicklingError(said(str(exc)) if callable(said) else
+                                     f"its contents do not parse as a state file (corrupt?): {exc}") from None
 
 
 def read_state_file(
