@@ -130,3 +130,27 @@ def test_a_run_that_fell_back_past_corrupt_checkpoints_replaces_them_and_keeps_t
     again = torch.nn.Linear(64, 64)
     assert make_mgr(root).load({"model": again, "optimizer": torch.optim.Adam(again.parameters())}) == 25
     assert torch.equal(again.weight, straight.weight)
+
+
+def test_status_does_not_promise_a_checkpoint_a_resume_found_broken(tmp_path):
+    """After a resume fell back past corrupt steps 15 and 20 and saved nothing yet (it ended
+    at once), ``ftkit status`` says the job resumes from step 10, not 20, and names why 15 and
+    20 are not taken: their sizes are right, only the events log knows."""
+    import json
+    import subprocess
+    import sys
+
+    job = tmp_path / "job"
+    _train(job, 20)
+    for step in (15, 20):
+        _flip(job / "checkpoints" / f"step-{step:08d}" / "rank-00000.pt", 300)
+    _train(job, 10)
+    out = subprocess.run([sys.executable, "-m", "ftkit", "status", str(job), "--json"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    assert status["verdict"] == "if the job dies now, it resumes from step 10"
+    by_step = {c["step"]: c for c in status["checkpoints"]}
+    for step in (15, 20):
+        assert by_step[step]["status"] == "corrupt" and by_step[step]["reason"].startswith("a resume skipped it: "), by_step
+    assert by_step[10]["status"] == "valid"

@@ -106,6 +106,12 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
             "reason": info.reason, "pinned": info.pinned, "size": info.size, "time": info.time,
             "age": None if info.time is None else now - info.time, "saved_for": info.saved_for,
         })
+    broken = _found_broken(log)
+    for c in items:  # sizes look right, but a resume found it broken (read since its save)
+        why = broken.get(c["path"]) if c["valid"] else None
+        if why is not None:
+            c.update(status="corrupt", valid=False,
+                     reason=f"a resume skipped it: {why} (`ftkit verify` checks its files)")
     newest = next((c for c in items if c["valid"]), None)
     aside = _set_aside(root.path)
 
@@ -148,6 +154,21 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
         "verdict": verdict,
         "events": log[-events:] if events > 0 else [],
     }
+
+
+def _found_broken(log: list[dict[str, Any]]) -> dict[str, str]:
+    """The checkpoints a resume skipped as broken since they were saved (``skip`` events after
+    the last ``save`` of their path; not a save that never finished): path -> why."""
+    broken: dict[str, str] = {}
+    for e in log:
+        path = e.get("path")
+        if not isinstance(path, str):
+            continue
+        if e.get("event") == "save":
+            broken.pop(path, None)
+        elif e.get("event") == "skip" and not str(e.get("reason", "")).startswith("incomplete"):
+            broken[path] = str(e.get("reason") or "no reason given")
+    return broken
 
 
 def _set_aside(root: Path) -> list[dict[str, Any]]:
