@@ -43,7 +43,7 @@ def test_fires_exactly_when_time_left_drops_below_step_save_margin():
     assert b.fired
     req = b.request()
     assert (req.action, req.source, req.requeue) == (Action.SAVE_EXIT, Source.TIME_BUDGET, True)
-    assert req.reason == "time budget: 42 s left < step 2.0 s + save 10.0 s + margin 30 s"
+    assert req.reason == "time budget: 41.9 s left < step 2.0 s + save 10.0 s + margin 30 s"
     clock.now = END - 1
     assert not b.due()  # one-shot
 

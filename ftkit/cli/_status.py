@@ -41,7 +41,10 @@ def _slurm(job_id: str | None) -> dict[str, Any] | None:
         info = job_info(job_id)
         end = job_end_time(job_id)
     except SlurmError as exc:
-        return {"job_id": job_id, "state": None, "error": str(exc)}
+        said = str(exc)
+        if "Invalid job id" in said:  # ended longer ago than SLURM's MinJobAge: forgotten, not an error
+            said = "no longer known to SLURM (it ended; scontrol forgets a job MinJobAge after its end)"
+        return {"job_id": job_id, "state": None, "error": said}
     state = info.get("JobState")
     return {
         "job_id": job_id,

@@ -339,7 +339,7 @@ class TimeBudget:
     def request(self, now: float | None = None) -> Request:
         """The request to post: save, exit and ask for a requeue."""
         left = self.time_left(now)
-        left_text = "no deadline" if left is None else f"{left:.0f} s left"
+        left_text = "no deadline" if left is None else f"{left:.1f} s left"
         return Request(
             Action.SAVE_EXIT,
             Source.TIME_BUDGET,
