@@ -217,7 +217,8 @@ def load_main(argv: list[str]) -> None:
     ``--tied``: a model two of whose layers share one weight (``train`` takes it too); the
     line before the last says whether they still do (``tied True``).
     ``--hidden N``: the model's hidden layer N wide (not the 32 it is saved with: a changed model).
-    ``--fsdp``: on several ranks, the model sharded with FSDP2 (``fully_shard``), not in DDP;
+    ``--fsdp``: on several ranks, the model sharded with FSDP2 (``fully_shard``), not in DDP,
+    and run forward once before the load (FSDP2 registers load hooks of its own then);
     ``--out`` then writes its whole tensors. ``--cosine``: a CosineAnnealingLR where the
     checkpoints have a StepLR's state (a scheduler of another kind).
     Before the last line, one line per DCP streaming reader: ``reader direct=... read=[...]``,
@@ -261,6 +262,11 @@ def load_main(argv: list[str]) -> None:
         StreamingReader.read_data = fail  # type: ignore[method-assign]
     state, _ = build_state(rank=rank, world_size=world, device=a.device, tied=a.tied, hidden=a.hidden, fsdp=a.fsdp,
                            cosine=a.cosine)
+    if a.fsdp and world > 1:  # a warm-up forward: FSDP2's lazy init registers its load pre-hooks
+        import torch
+
+        with torch.no_grad():
+            state["model"](torch.randn(2, 8))
     if rank == a.extra_key_on:
         import torch
 

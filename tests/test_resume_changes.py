@@ -154,3 +154,73 @@ def test_status_does_not_promise_a_checkpoint_a_resume_found_broken(tmp_path):
     for step in (15, 20):
         assert by_step[step]["status"] == "corrupt" and by_step[step]["reason"].startswith("a resume skipped it: "), by_step
     assert by_step[10]["status"] == "valid"
+
+
+def test_a_checkpoint_skipped_for_a_failed_read_is_not_set_aside(tmp_path, monkeypatch):
+    """A read of the newest checkpoint fails for the system's sake (a stale NFS handle): the
+    load falls back to the older one, but the newest is not known broken, so the run's first
+    save leaves it where it is (a later resume may take it), unlike a corrupt one."""
+    import errno
+
+    from ftkit.checkpoint import manager as _manager
+
+    root = tmp_path / "ck"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    for step in (10, 20):
+        make_mgr(root).save(step, {"model": model})
+    real = _manager.read_state_into
+    failed = []
+
+    def stale_once(path, *args, **kwargs):
+        if path.name == "step-00000020" and not failed:
+            failed.append(path)
+            raise OSError(errno.ESTALE, "Stale file handle", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(_manager, "read_state_into", stale_once)
+    mgr = make_mgr(root)
+    assert mgr.load({"model": torch.nn.Linear(4, 2)}) == 10 and failed
+    mgr.save(11, {"model": model})
+    assert sorted(p.name for p in root.iterdir() if p.name != "latest") == [
+        "step-00000010", "step-00000011", "step-00000020"]
+
+
+def test_a_scheduler_class_of_the_users_own_resumes_from_its_own_checkpoint(tmp_path):
+    """A scheduler that leaves a constructor argument out of its ``state_dict`` (a callable:
+    weights-only pickling cannot hold it), or that gained an argument since the save: the same
+    class, not another kind; it loads."""
+    from torch.optim.lr_scheduler import LRScheduler
+
+    class Warmup(LRScheduler):
+        def __init__(self, optimizer, warmup, shape=None, last_epoch=-1):
+            self.warmup, self.shape = warmup, shape or (lambda x: x)
+            super().__init__(optimizer, last_epoch)
+
+        def get_lr(self):
+            return [base * min(1.0, self.shape((self.last_epoch + 1) / self.warmup)) for base in self.base_lrs]
+
+        def state_dict(self):
+            return {k: v for k, v in super().state_dict().items() if k != "shape"}
+
+    class Grown(LRScheduler):  # the same class, with an argument added since the save
+        def __init__(self, optimizer, warmup, floor=0.0, last_epoch=-1):
+            self.warmup, self.floor = warmup, floor
+            super().__init__(optimizer, last_epoch)
+
+        def get_lr(self):
+            return [max(self.floor, base * min(1.0, (self.last_epoch + 1) / self.warmup)) for base in self.base_lrs]
+
+    for kind in (Warmup, Grown):
+        root = tmp_path / kind.__name__
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = kind(opt, 5)
+        opt.step()
+        sched.step()
+        saved = {k: v for k, v in sched.state_dict().items() if k != "floor"}  # saved before "floor" existed
+        make_mgr(root).save(1, {"model": model, "optimizer": opt, "scheduler": saved if kind is Grown else sched})
+        again = kind(torch.optim.SGD(model.parameters(), lr=0.1), 5)
+        state = {"model": model, "optimizer": again.optimizer, "scheduler": again}
+        assert make_mgr(root).load(state) == 1, kind
+        assert again.last_epoch == 1, kind

@@ -23,6 +23,7 @@ from __future__ import annotations
 import builtins
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
@@ -108,6 +109,37 @@ def _holds_corrupt(damaged: Path, what: str, root: Path) -> str:
     return (f"{damaged} was found corrupt while it was read into the live state, and {what}: this run cannot "
             f"go on from a state that holds part of a corrupt checkpoint. Move {damaged} out of {root} and start "
             "again (the state is then loaded from the one before it, as initialised where that one has nothing)")
+
+
+def _reshard(state: Mapping[str, Any]) -> None:
+    """Reshard every FSDP2 module of ``state`` before a load looks at its parameters. After a
+    forward FSDP2 leaves a module's unsharded parameters registered (the root's, by default)
+    and frees them at the module's next ``state_dict`` call (its pre-hook reshards): a load
+    that saw plain tensors there would write into memory that is gone by then (a segfault),
+    and would take the model for a replicated one. Resharded, its parameters are the shards
+    DCP's helpers load into, as before the first forward."""
+    import torch
+
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return
+    for value in state.values():
+        if isinstance(value, torch.nn.Module):
+            for module in value.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+
+def _found_broken(problem: str) -> bool:
+    """Whether a checkpoint skipped for ``problem`` (the ranks' agreed one) is known broken: its
+    contents do not match its manifest (a checksum, a size, a state file that does not parse, a
+    manifest that does not). Not a save that never finished (``incomplete``: retention's to
+    remove), nor a read the system failed (``[Errno N]``, "cannot read": a stale NFS handle, a
+    transient I/O error), after which the checkpoint may load next time."""
+    if problem.startswith("incomplete:"):
+        return False
+    return not re.search(r"\[Errno \d+\]|(^|: )cannot read ", problem)
 
 
 class _EarlyRead:
@@ -287,6 +319,7 @@ class Checkpointer(CheckpointManager):
         # DCP gives an optimizer without state zeros to load into before it reads (a requeued
         # job's, before its first step): a load that fails takes them away again
         fresh = [v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state]
+        _reshard(state)
         settings = group_settings(state)  # the script's, before the checkpoint's replace them
         try:
             restored = self._load(state, step, began)
@@ -427,7 +460,7 @@ class Checkpointer(CheckpointManager):
                            find_seconds=round(found - began, 6), read_seconds=round(time.monotonic() - found, 6))
                 return restored
             skipped.append(f"{path.name}: {problem}")
-            if info.status != "incomplete":  # not a save that never finished (retention's to remove)
+            if _found_broken(problem):  # agreed: the same on every rank (not this rank's own validation)
                 self._passed_broken = True
             log.warning("skipping checkpoint %s: %s", path, problem)
             self._emit("skip", step=info.step, path=str(path), reason=problem)

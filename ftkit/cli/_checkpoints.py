@@ -195,7 +195,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     also = (f"; {len(unfinished)} incomplete (a save that never finished or is running: harmless, "
-            "retention removes it)" if unfinished else "")
+            "resume passes over it)" if unfinished else "")
     if bad or not valid:
         what = f"{len(bad)} of {len(infos)} checkpoint(s) not valid" if bad else "no valid checkpoint"
         Console(stderr=True).print(f"[bold red]{what}[/]{also}", highlight=False)

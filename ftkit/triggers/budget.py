@@ -94,12 +94,13 @@ def parse_deadline(text: str, *, setting: str) -> float:
     except ValueError:
         try:
             iso = value[:-1] + "+00:00" if value.endswith(("Z", "z")) else value
-            return _in_range(datetime.fromisoformat(iso).timestamp(), setting, text)
-        except ValueError:
+            stamp = datetime.fromisoformat(iso).timestamp()
+        except (ValueError, OverflowError, OSError):
             raise ConfigError(
                 f"{setting}: cannot read {text!r} as a deadline; give UNIX seconds "
                 "(e.g. 1735689600) or an ISO-8601 time (e.g. 2025-01-01T00:00:00+00:00)"
             ) from None
+        return _in_range(stamp, setting, text)
     if not math.isfinite(seconds):
         raise ConfigError(f"{setting}: got {text!r}; give finite UNIX seconds")
     return _in_range(seconds, setting, text)

@@ -201,7 +201,8 @@ def full_mismatches(key: str, module: torch.nn.Module, live: Mapping[str, Any], 
     ``load_state_dict`` or has a load pre-hook; missing and extra keys also not where a module
     has a load post-hook other than FSDP's own (it may excuse them)."""
     if type(module).load_state_dict is not torch.nn.Module.load_state_dict or any(
-            getattr(m, "_load_state_dict_pre_hooks", None) for m in module.modules()):
+            not _fsdp_own(hook) for m in module.modules()
+            for hook in getattr(m, "_load_state_dict_pre_hooks", {}).values()):
         return []
     modules = {canonical(n): m for n, m in module.named_modules(remove_duplicate=False)}
     found: list[str] = []
@@ -211,8 +212,8 @@ def full_mismatches(key: str, module: torch.nn.Module, live: Mapping[str, Any], 
                 and tuple(theirs.shape) != tuple(mine.shape) and loaded_by_torch(modules, name)):
             found.append(f"state[{key!r}]: {name} is {list(theirs.shape)} in the checkpoint, {list(mine.shape)} "
                          "in the module")
-    if any(not getattr(hook, "__qualname__", "").startswith("FSDPParam.")
-           for m in module.modules() for hook in getattr(m, "_load_state_dict_post_hooks", {}).values()):
+    if any(not _fsdp_own(hook) for m in module.modules()
+           for hook in getattr(m, "_load_state_dict_post_hooks", {}).values()):
         return found
     found += [f"state[{key!r}]: {name} is not in the checkpoint (added since?)"
               for name in sorted(set(live) - set(saved)) if loaded_by_torch(modules, name)]
@@ -220,6 +221,13 @@ def full_mismatches(key: str, module: torch.nn.Module, live: Mapping[str, Any], 
               for name in sorted(n for n in saved if isinstance(n, str) and n not in live)
               if loaded_by_torch(modules, name)]
     return found
+
+
+def _fsdp_own(hook: Any) -> bool:
+    """A load hook FSDP2 registers itself (its parameters resharded before and after a load,
+    the pre-hook from the first forward on): it changes neither what loads nor what is missing."""
+    function = getattr(hook, "hook", hook)  # torch wraps a pre-hook in _WrappedHook
+    return getattr(function, "__qualname__", "").startswith(("FSDPParam.", "FSDPParamGroup."))
 
 
 def misfit(where: Any, misfits: list[str]) -> str:
@@ -255,14 +263,18 @@ def scheduler_mismatches(state: Mapping[str, Any], saved: Mapping[str, Any]) -> 
     dict into the object, so the live scheduler would go on with the other's settings beside
     its own (a ``StepLR`` with Cosine's learning rates, 0 for good), raising nothing. Found by
     the live class's own settings (its constructor's parameters it keeps under their names)
-    missing from the saved state. Only a scheduler whose ``load_state_dict`` is torch's own."""
+    missing from the saved state while the saved state has settings the live object does not
+    (another class's): a setting only missing is a class that leaves it out of its
+    ``state_dict`` or gained it since (a newer torch, a user's class), not another kind. Only a
+    scheduler whose ``load_state_dict`` and ``state_dict`` are torch's own."""
     from torch.optim.lr_scheduler import LRScheduler
 
     found: list[str] = []
     for key, live in state.items():
         theirs = saved.get(key)
         if (not isinstance(live, LRScheduler) or not isinstance(theirs, Mapping)
-                or type(live).load_state_dict is not LRScheduler.load_state_dict):
+                or type(live).load_state_dict is not LRScheduler.load_state_dict
+                or type(live).state_dict is not LRScheduler.state_dict):
             continue
         try:
             params = inspect.signature(type(live).__init__).parameters
@@ -270,9 +282,11 @@ def scheduler_mismatches(state: Mapping[str, Any], saved: Mapping[str, Any]) -> 
             continue
         own = [n for n in params if n not in _NOT_SETTINGS and n in vars(live)]
         lacking = [n for n in own if n not in theirs]
-        if lacking:
-            settings = ", ".join(sorted(k for k in theirs if isinstance(k, str) and not k.startswith("_")
-                                        and k not in ("base_lrs", "last_epoch", "verbose")))
+        shown = sorted(k for k in theirs if isinstance(k, str) and not k.startswith("_")
+                       and k not in ("base_lrs", "last_epoch", "verbose"))
+        foreign = [k for k in shown if k not in vars(live)]
+        if lacking and foreign:
+            settings = ", ".join(shown)
             found.append(f"state[{key!r}]: the checkpoint's scheduler lacks {', '.join(lacking)} of the live "
                          f"{type(live).__name__} (saved by another scheduler? its settings: {settings or 'none'})")
     return found
@@ -385,8 +399,9 @@ def settings_replaced(before: Mapping[str, list[dict[str, Any]]], state: Mapping
     """The settings of ``before`` (:func:`group_settings`, taken before a load) that the load
     changed, as ``state['optimizer'] param group 0: weight_decay 0.05 -> 0.0``: torch's
     ``load_state_dict`` restores the saved param groups, so a setting changed in the script
-    since the save is silently the checkpoint's again. The learning rate only where no
-    scheduler keeps its own (``initial_lr``, compared instead): a scheduler's changes it."""
+    since the save is silently the checkpoint's again. Not the learning rate itself, which a
+    scheduler (or the script, step by step) changes as training goes: a scheduler's base
+    learning rate (``initial_lr``) instead."""
     found: list[str] = []
     for key, groups in before.items():
         live = state.get(key)
@@ -395,7 +410,7 @@ def settings_replaced(before: Mapping[str, list[dict[str, Any]]], state: Mapping
         for i, (was, group) in enumerate(zip(groups, live.param_groups, strict=True)):
             changed = []
             for name in sorted(was):
-                if (name == "lr" and "initial_lr" in was) or name not in group:
+                if name == "lr" or name not in group:
                     continue
                 old, new = _setting(was[name]), _setting(group[name])
                 if old is not None and new is not None and old != new:
@@ -463,6 +478,16 @@ def reachable_tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def _memory_of(t: torch.Tensor) -> int | None:
+    """The address of the memory holding ``t``'s bytes: its storage's, a sharded tensor's (a
+    DTensor of FSDP2) local shard's; None for a tensor without memory of its own (a wrapper)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    try:
+        return local.untyped_storage().data_ptr()
+    except RuntimeError:  # "invalid python storage": a subclass that only wraps others
+        return None
+
+
 class SetAside:
     """What a one-pass load into the live modules and optimizers of ``state`` may change, to
     put back (:meth:`undo`) when the load turns out not to happen (a corrupt file found while
@@ -474,14 +499,14 @@ class SetAside:
 
     def __init__(self, state: Mapping[str, Any]) -> None:
         live = _modules_and_optimizers(state)
-        self._memory = {t.untyped_storage().data_ptr() for v in live for t in reachable_tensors(v)}
+        self._memory = {ptr for v in live for t in reachable_tensors(v) if (ptr := _memory_of(t)) is not None}
         self._fresh = [v for v in live if isinstance(v, torch.optim.Optimizer) and not v.state]
         self._undo: list[Callable[[], None]] = []
 
     def guard(self, t: torch.Tensor) -> bool:
         """Whether a load must set aside what it writes over in ``t``: the memory of a live
         module's or optimizer's tensor (a view of one too), in host memory."""
-        return t.device.type == "cpu" and t.untyped_storage().data_ptr() in self._memory
+        return t.device.type == "cpu" and _memory_of(t) in self._memory
 
     def by(self, undo: Callable[[], None]) -> None:
         """``undo()`` puts back what a writer of :meth:`guard`'s memory set aside."""
