@@ -741,6 +741,23 @@ def test_a_scheduler_of_another_kind_is_refused_on_every_rank_before_anything_is
             assert torch.equal(after["model"][key], value), (rank, key)
 
 
+def test_an_fsdp_model_that_ran_forward_loads_a_one_process_checkpoint_exactly(tmp_path):
+    """An FSDP2 model that ran a forward before the load (a warm-up, a sanity check): FSDP2
+    left its root's unsharded parameters registered, and frees them at the next
+    ``state_dict``. The load wrote the checkpoint into that freed memory (a segfault on every
+    rank); resharded first, it loads on two ranks exactly what one process saved."""
+    root, out = tmp_path / "ck", tmp_path / "trained"
+    run_ranks(["train", "--root", str(root), "--steps", "4", "--stop-at", "4", "--out", str(out)], 1)
+    outs = run_ranks(["load", "--root", str(root), "--fsdp", "--out", str(tmp_path / "after")], 2)
+    trained = torch.load(f"{out}.rank0", weights_only=True)
+    for rank, said in enumerate(outs):
+        assert said.strip().splitlines()[-1] == "loaded 4", said
+        after = torch.load(tmp_path / f"after.rank{rank}", weights_only=False)
+        assert after["model"].keys() == trained["model"].keys()
+        for key, value in trained["model"].items():
+            assert torch.equal(after["model"][key], value), (rank, key)
+
+
 class _Reshaping(torch.nn.Module):
     """A module that takes its weight in any shape of the same size (an older layout)."""
 
