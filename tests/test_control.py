@@ -192,3 +192,24 @@ def test_a_crash_in_the_loop_is_recorded_in_the_exit_event(tmp_path: Path) -> No
         raise RuntimeError("boom")
     exit_event = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "exit"][-1]
     assert exit_event["error"] == "RuntimeError: boom" and exit_event["completed"] is False
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_a_save_events_seconds_count_the_state_capture(tmp_path: Path, background) -> None:
+    """A state whose ``state_dict()`` takes 0.4 s (an FSDP gather, say): the ``save`` event's
+    ``seconds``, which ``ftkit status`` and a pod's grace period are sized from, count it, not
+    only the write."""
+
+    class Slow:
+        def state_dict(self):
+            time.sleep(0.4)
+            return {"x": 1}
+
+        def load_state_dict(self, sd):
+            pass
+
+    config = ftkit.Config(async_save=ftkit.AsyncConfig() if background else None)
+    with ftkit.FaultTolerance(tmp_path, state={"slow": Slow()}, config=config) as ft:
+        ft.save(1)
+    saves = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "save"]
+    assert [e["step"] for e in saves] == [1] and saves[0]["seconds"] >= 0.4, saves

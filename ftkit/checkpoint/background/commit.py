@@ -136,7 +136,7 @@ class RankCommit:
                     raise
                 raise err from exc
         # the rank commit runs on rank 0's worker: no barrier here, only the log, event, retention
-        commits.committed(info, seconds=time.monotonic() - started, reason=reason)
+        commits.committed(info, seconds=snapshot.seconds + time.monotonic() - started, reason=reason)
         return info
 
     def _error(

@@ -84,6 +84,7 @@ class _Fill:
         self._set = backend.sets[slot]
         self._batch = backend._copier.batch()
         self._copied: set[int] = set()
+        self._began = time.monotonic()  # the walk (state_dict() calls) and the copies: the snapshot's time
 
     def found(self, index: int, where: str, tensor: torch.Tensor) -> None:
         buf = self._set.buffers.get(where)
@@ -97,7 +98,9 @@ class _Fill:
             if i not in self._copied:
                 self._batch.add(buf, tensor)
         events, nbytes = self._batch.finish()
-        self._backend._snaps[self._slot] = (host_snapshot(skeleton, buffers, nbytes), events)
+        snapshot = host_snapshot(skeleton, buffers, nbytes)
+        snapshot.seconds = time.monotonic() - self._began
+        self._backend._snaps[self._slot] = (snapshot, events)
 
     def abort(self) -> None:
         """The save failed: the copies started stay ordered before later updates, and are done."""

@@ -253,6 +253,7 @@ class Snapshot:
     local: dict[str, Any]
     sharded: dict[str, Any] = field(default_factory=dict)
     nbytes: int = 0
+    seconds: float = 0.0  # taking it: the state's capture (state_dict() calls) and the copies
 
 
 def take_snapshot(state: Mapping[str, Any], *, exclude: frozenset[str] = frozenset()) -> Snapshot:
