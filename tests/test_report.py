@@ -267,3 +267,66 @@ def test_a_run_still_going_is_reported_as_running_not_killed(tmp_path: Path) -> 
         proc.wait()
     row = json.loads(ftkit_cli("report", str(jobdir), "--json").stdout)["runs"][-1]
     assert row["cause"] == "killed (no exit record)" and row["unplanned"]
+
+
+def test_memory_snapshots_are_counted_as_the_loop_stall_they_are(tmp_path: Path) -> None:
+    """A background save with a memory snapshot every step (``memory_every=1``), whose state
+    takes 50 ms to capture: the loop stalls ~50 ms a step for it, without a save. The report
+    counts those stalls (in ``progress`` records: one per ``progress_every``, not one per
+    snapshot), where it counted them as productive time."""
+    import time
+
+    import ftkit
+    from ftkit.events import read_events
+    from ftkit.report import analyse
+
+    class Slow:
+        def state_dict(self):
+            time.sleep(0.05)
+            return {"x": 1}
+
+        def load_state_dict(self, sd):
+            pass
+
+    config = ftkit.Config(async_save=ftkit.AsyncConfig(memory_every=1), save_at_end=False,
+                          timing=ftkit.control.runclock.TimingConfig(progress_every=0.2))
+    with ftkit.FaultTolerance(tmp_path, state={"slow": Slow()}, config=config) as ft:
+        for _ in ft.range(20):
+            time.sleep(0.01)
+    events = list(read_events(tmp_path / "events.jsonl"))
+    assert not [e for e in events if e["event"] == "save"]  # snapshots only
+    report = analyse(events)
+    stall = report["buckets"]["stall"]
+    assert stall >= 19 * 0.05 * 0.9, report["buckets"]
+    assert report["buckets"]["productive"] < 20 * 0.01 * 2 + 0.5, report["buckets"]
+    assert len([e for e in events if e["event"] == "progress"]) < 15  # not one per snapshot
+
+
+def test_a_hang_is_lost_time_and_its_steps_are_redone() -> None:
+    """Run 0 saved step 20 at t=100, did steps up to 25 by t=105, then hung until the watchdog
+    ended it at t=130 (its ``hang`` record: last step 25, done at 105, waited 25 s); run 1
+    resumed from 20. The 25 s of the hang are no training (exit_wait), and the 5 s from step
+    20 to 25 are redone by run 1, where the report took the hang for 30 s of productive loop."""
+    from ftkit.report import analyse
+
+    t0 = 1000.0
+    log = [
+        {"time": t0, "event": "start", "rank": 0, "pid": 1, "process_start": t0, "ftkit_start": t0,
+         "setup_seconds": 0.0},
+        {"time": t0, "event": "resume", "rank": 0, "pid": 1, "step": None, "seconds": 0.0, "manager_seconds": 0.0},
+        {"time": t0 + 100, "event": "save", "rank": 0, "pid": 1, "step": 20, "seconds": 0.0},
+        {"time": t0 + 100, "event": "progress", "rank": 0, "pid": 1, "step": 20, "stall": 0.0, "save_step": 20},
+        {"time": t0 + 130, "event": "hang", "rank": 1, "pid": 2, "step": 25, "seconds": 25.0,
+         "last_step_wall": t0 + 105},
+        {"time": t0 + 140, "event": "start", "rank": 0, "pid": 3, "process_start": t0 + 140, "ftkit_start": t0 + 140,
+         "setup_seconds": 0.0},
+        {"time": t0 + 140, "event": "resume", "rank": 0, "pid": 3, "step": 20, "seconds": 0.0, "manager_seconds": 0.0},
+        {"time": t0 + 160, "event": "exit", "rank": 0, "pid": 3, "step": 40, "completed": True, "last_step": 40},
+    ]
+    report = analyse(log)
+    first = report["runs"][0]
+    assert first["cause"] == "hang (watchdog)", first
+    assert first["redone_steps"] == 5 and first["buckets"]["redone"] == pytest.approx(5.0), first
+    assert first["buckets"]["exit_wait"] == pytest.approx(25.0), first
+    assert first["buckets"]["productive"] == pytest.approx(100.0), first
+    assert sum(first["buckets"].values()) == pytest.approx(first["wall"])

@@ -155,6 +155,7 @@ class FaultTolerance:
         self._last_check: float | None = None
         self._last_save_end = float("-inf")  # monotonic time the last save became durable
         self._last_saved_step: int | None = None
+        self._snapshot_stall: tuple[int, float] | None = None  # the last memory snapshot's step and stall
         self._handled_wall: dict[Source, float] = {}  # wall time of the last decision per file source
         self._seen_requests: set[str] = set()  # request files this run has logged (acted on or not)
         self._checkpoints: CheckpointManager | None = None
@@ -278,6 +279,7 @@ class FaultTolerance:
                 self._take_requests(self.box.drain(), -1 if self._final is None else self._final.step)
             self._forget_requests()
             final = self._final
+            self.runclock.flush()  # the memory snapshots' stalls since the last progress record
             self.events.emit(
                 "exit",
                 step=self._last_saved_step if final is None else final.step,
@@ -531,7 +533,8 @@ class FaultTolerance:
         out (an exit's, or the end of training's) raises, so the process exits non-zero and the
         requeue policy sees a crash: the steps since the last checkpoint are not lost unseen.
         """
-        why = reason or ("; ".join(decision.reasons) if decision else f"periodic (every {self.config.save_every} steps)")
+        every = "the auto interval" if self.config.save_every == "auto" else f"every {self.config.save_every} steps"
+        why = reason or ("; ".join(decision.reasons) if decision else f"periodic ({every})")
         pin = bool(decision and decision.pin)
         last = (decision is not None and decision.exit) or reason == "end of training"
         began = self._clock()
@@ -551,9 +554,12 @@ class FaultTolerance:
         stall = self._clock() - began
         exiting = last
         seconds = stall
+        cost = stall
         if self._background:  # the budget needs the time until durable, not the stall
             seconds = max(stall, self.checkpoints.last_persist_seconds or 0.0)
-        self._saved(step, seconds=seconds, stall=stall, decision=decision, exiting=exiting)
+            if self._snapshot_stall is not None and self._snapshot_stall[0] == step:
+                cost += self._snapshot_stall[1]  # this checkpoint's snapshot was taken at the step's start
+        self._saved(step, seconds=seconds, stall=stall, decision=decision, exiting=exiting, cost=cost)
         return info
 
     def _auto_interval(self) -> AutoInterval:
@@ -581,7 +587,11 @@ class FaultTolerance:
         """Memory snapshots due at this step, and a background save that failed since the last
         step: reported here, never lost (the manager's ``on_error`` decides raise or warn)."""
         mgr = self.checkpoints
-        mgr.on_step(step, self._require_state())
+        began = self._clock()
+        if mgr.on_step(step, self._require_state()):  # a memory snapshot: the loop stalled for it
+            stall = self._clock() - began
+            self._snapshot_stall = (step, stall)
+            self.runclock.snapshot(stall)
         if self._to_consume:
             self._consume_durable()
         error = mgr.pending_error()
@@ -607,12 +617,13 @@ class FaultTolerance:
                     exiting=decision is not None and decision.exit)
 
     def _saved(self, step: int, *, seconds: float, stall: float, decision: Decision | None,
-               exiting: bool) -> None:
+               exiting: bool, cost: float | None = None) -> None:
         """Every durable checkpoint, written by ``save`` or reported to ``saved``: the report's
-        stall, the auto interval's next step, the budget, and the files the decision consumes."""
+        stall, the auto interval's next step (``cost``: the loop's whole stall for this
+        checkpoint, its memory snapshot's too), the budget, and the files the decision consumes."""
         self.runclock.saved(step, stall, exiting=exiting)
         if self._auto is not None and not exiting:
-            self._replan(step, stall)
+            self._replan(step, stall if cost is None else cost)
         ended = self._clock()
         self._last_save_end = ended
         self._last_check = ended  # a save is not part of the next step's time

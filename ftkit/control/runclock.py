@@ -113,6 +113,7 @@ class RunClock:
         self._start_step = 0
         self._first_done = False
         self._stalls = 0.0
+        self._unreported = 0.0  # memory snapshots' stalls not yet in a progress record
 
     def wall(self, mono: float) -> float:
         return round(mono + self._offset, 6)
@@ -163,8 +164,27 @@ class RunClock:
                 self.events.emit("first-step", step=step, seconds=round(now - self._loop_start, 6),
                                  start_step=self._start_step)
         elif self._emit:
-            self.events.emit("progress", step=step, steps=step - self._start_step)
+            extra = {"stall": round(self._unreported, 6)} if self._unreported > 0 else {}
+            self.events.emit("progress", step=step, steps=step - self._start_step, **extra)
+            self._unreported = 0.0
         self.due = now + self.config.progress_every
+
+    def snapshot(self, stall: float) -> None:
+        """A background save's memory snapshot stalled the loop ``stall`` seconds (without a
+        save: ``memory_every``). Summed into the next ``progress`` record's ``stall`` (one per
+        ``progress_every``, not one per snapshot, which may be every step)."""
+        if self._loop_start is None:
+            return
+        self._stalls += stall
+        self._unreported += stall
+        self.last = self._clock()
+
+    def flush(self) -> None:
+        """The snapshot stalls not yet in a ``progress`` record, in one now (at the run's end)."""
+        if self._unreported > 0 and self._emit:
+            self.events.emit("progress", step=self.step, steps=max(self.step - self._start_step, 0),
+                             stall=round(self._unreported, 6))
+        self._unreported = 0.0
 
     def saved(self, step: int, stall: float, *, exiting: bool = False) -> None:
         """The controller's ``save`` of ``step`` returned after stalling the loop ``stall``

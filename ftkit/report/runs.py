@@ -149,6 +149,10 @@ def _run(index: int, events: list[dict[str, Any]]) -> Run:
         for key in ("step", "last_step"):
             if e.get(key) is not None and e.get("event") in ("progress", "first-step", "exit", "save", "decision"):
                 steps.append(int(e[key]))
+    # a hang: the watchdog's record (any rank's) names the last step done and since when it waited
+    hang = next((e for e in events if e.get("event") == "hang"), None)
+    if hang is not None and hang.get("step") is not None:
+        steps.append(int(hang["step"]))
     run.last_step = max(steps)
     if run.exit is not None:
         run.end = float(run.exit["time"])
@@ -158,11 +162,22 @@ def _run(index: int, events: list[dict[str, Any]]) -> Run:
             decision = next((e for e in own if e.get("event") == "decision" and e.get("rank", 0) == 0
                              and "EXIT" in str(e.get("action", ""))), None)
             run.loop_end = float(decision["time"]) if decision is not None else run.end
+    elif hang is not None:  # the watchdog ended the process (exit 87) after its record
+        run.end = max([float(e["time"]) for e in own] + [float(hang["time"])])
+        run.loop_end = run.end
     else:
         run.end = max(float(e["time"]) for e in own)
         run.loop_end = run.end
         run.notes.append("no exit record (killed: kill -9, node failure or OOM): the run's end is "
                          "taken as its last record")
+    if hang is not None:  # the loop ended at the last step done: the wait after it is lost
+        stuck = _f(hang.get("last_step_wall"))
+        if stuck is None and hang.get("seconds") is not None:
+            stuck = float(hang["time"]) - float(hang["seconds"])
+        if stuck is not None:
+            run.loop_end = min(run.loop_end, stuck)
+        run.notes.append(f"hung after step {hang.get('step')}: the {float(hang.get('seconds') or 0):.0f} s the "
+                         "watchdog waited before ending it count as exit_wait, not as training")
     run.loop_end = min(max(run.loop_end, run.loop_start), run.end)
     run.cause, run.unplanned = _cause(run)
     return run
