@@ -97,7 +97,7 @@ def test_shortened_limit_fires_before_the_new_end():
     assert b.due(new_end - FIRE_BEFORE + 0.1)  # long before the old end time
     assert slurm.calls == calls + 1  # the look before firing
     req = b.request(new_end - FIRE_BEFORE + 0.1)
-    assert req.reason.startswith("time budget: 41 s left")
+    assert req.reason.startswith("time budget: 40.9 s left")
 
 
 def test_shortened_into_the_threshold_fires_at_the_next_re_read():

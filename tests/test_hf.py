@@ -81,6 +81,18 @@ def test_sigterm_then_resume_in_a_new_process_matches_uninterrupted(tmp_path):
     events = list(read_events(out / "events.jsonl"))
     assert [(e["event"], e.get("step")) for e in events if e["event"] in ("decision", "save", "exit")] == [
         ("decision", 5), ("save", 5), ("exit", 5)]
+    # the CLI finds Trainer's checkpoint-N dirs from the events log (an absolute path, whatever
+    # the cwd the job ran in) and says what a resume takes, from another directory too
+    assert [e["path"] for e in events if e["event"] == "save"] == [str((out / "checkpoint-5").absolute())]
+    status = subprocess.run([sys.executable, "-m", "ftkit", "status", str(out), "--json"], env=_env(),
+                            capture_output=True, text=True, timeout=60, cwd=tmp_path.parent)
+    assert status.returncode == 0, status.stderr
+    said = json.loads(status.stdout)
+    assert said["verdict"] == "if the job dies now, it resumes from step 5", said["verdict"]
+    assert [(c["step"], c["status"]) for c in said["checkpoints"]] == [(5, "valid")]
+    verify = subprocess.run([sys.executable, "-m", "ftkit", "verify", str(out)], env=_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert verify.returncode == 0 and "all 1 checkpoint(s) valid" in verify.stdout, verify.stdout + verify.stderr
 
     resumed = subprocess.run([sys.executable, "-m", "ftkit.integrations.hf", str(PROGRAM), str(out),
                               "--steps", "12", "--mode", "launcher"],

@@ -293,7 +293,8 @@ def test_node_death_leaves_the_survivors_part_of_a_newer_step_incomplete_and_res
     assert listed.returncode == 0, listed.stderr
     assert [(row["step"], row["status"]) for row in json.loads(listed.stdout)] == [(2, "incomplete"), (1, "valid")]
     assert ftkit("verify", str(step2)).returncode == 3
-    assert ftkit("verify", str(job)).returncode == 3
+    job_verify = ftkit("verify", str(job))  # the unfinished step 2 is listed, no mismatch: step 1 is valid
+    assert job_verify.returncode == 0 and "1 incomplete" in job_verify.stdout, job_verify
     assert ftkit("verify", str(step1)).returncode == 0
 
     _check_resumed(tmp_path, root, 1, 1)  # exactly step 1: its step, ballast and weights

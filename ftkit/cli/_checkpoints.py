@@ -137,10 +137,9 @@ def _dump(infos) -> None:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     from ..checkpoint import validate_dir
-    from ..checkpoint.format import list_step_dirs
 
     root, job = _root(args.jobdir, command="ls")
-    infos = [validate_dir(p) for _, p in list_step_dirs(root.path)]
+    infos = [validate_dir(p) for _, p in root.step_dirs()]
     if args.json:
         _dump(infos)
     elif not infos:
@@ -166,7 +165,6 @@ def _progress(items: list[Any], what: str, *, quiet: bool) -> Any:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from ..checkpoint import validate_dir
-    from ..checkpoint.format import list_step_dirs
 
     path = place(args.path)
     if path.kind == "step":  # an empty one too: it is reported as a save that never finished
@@ -177,7 +175,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                                       instead=f"pass its step dir {path.path.parent} to verify that checkpoint"))
     else:
         root, job = _root(args.path, command="verify")
-        dirs = [p for _, p in list_step_dirs(root.path)]
+        dirs = [p for _, p in root.step_dirs()]
         where = str(root)
         if not dirs:
             raise NoCheckpointError(_none(root, job))

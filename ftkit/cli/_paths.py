@@ -166,10 +166,17 @@ class Root:
 
     path: Path
     found_in: str = ""
+    hf: bool = False  # Hugging Face Trainer's checkpoint-N dirs (ftkit.integrations.hf), not step-N
 
     @property
     def exists(self) -> bool:
         return self.path.is_dir()
+
+    def step_dirs(self) -> list[tuple[int, Path]]:
+        """``(step, path)`` of its step directories (``checkpoint-N`` ones for Trainer's), newest first."""
+        from ..checkpoint.format import list_step_dirs, parse_hf_step, parse_step
+
+        return list_step_dirs(self.path, parse_hf_step if self.hf else parse_step)
 
     def __str__(self) -> str:
         return f"{self.path} (the job's checkpoint root, {self.found_in})" if self.found_in else str(self.path)
@@ -192,16 +199,20 @@ def checkpoint_root(job: Path, events: Iterable[dict[str, Any]]) -> Root:
     job dir's (this job dir was moved or copied: the log keeps the old absolute paths). Without
     such an event, ``JOBDIR/checkpoints``, or the job dir itself where it holds the step dirs.
     """
-    from ..checkpoint.format import list_step_dirs, parse_step
+    from ..checkpoint.format import list_step_dirs, parse_hf_step, parse_step
 
     default = job / CHECKPOINTS
-    recorded = None
+    recorded, hf = None, False
     for e in events:
         path = e.get("path")
         if isinstance(path, str) and parse_step(Path(path).name) is not None:
-            recorded = Path(path).parent
+            recorded, hf = Path(path).parent, False
+        elif isinstance(path, str) and e.get("kind") == "hf" and parse_hf_step(Path(path).name) is not None:
+            recorded, hf = Path(path).parent, True  # Trainer's output_dir (its save events say kind "hf")
         elif e.get("event") == "start" and isinstance(e.get("checkpoint_root"), str):
-            recorded = Path(e["checkpoint_root"])  # the root a run started with, before it saved
+            recorded, hf = Path(e["checkpoint_root"]), False  # the root a run started with, before it saved
+    if hf and recorded is not None and recorded.is_absolute():
+        return Root(recorded, f"Hugging Face Trainer's output dir, recorded in {job / EVENTS}", hf=True)
     if recorded is None:
         if not default.is_dir() and _is_root(job):
             return Root(job, "the job dir itself holds the step dirs")

@@ -76,7 +76,6 @@ def _request(path: Path) -> dict[str, Any]:
 def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
     """Everything ``ftkit status`` shows, as plain data (also its ``--json`` output)."""
     from ..checkpoint import validate_dir
-    from ..checkpoint.format import list_step_dirs
     from ..control.hangs import culprit
     from ..events import read_events
     from ..jobdir import JobDir
@@ -102,7 +101,7 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
     save_estimate = max((float(e["seconds"]) for e in saves[-5:]), default=None)
 
     items = []
-    for _, path in list_step_dirs(root.path):  # newest first; pure file work, no torch
+    for _, path in root.step_dirs():  # newest first; pure file work, no torch
         info = validate_dir(path)
         items.append({
             "step": info.step, "path": str(info.path), "status": info.status, "valid": info.valid,

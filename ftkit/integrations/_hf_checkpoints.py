@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import stat
 import time
 from collections.abc import Collection, Iterator
@@ -27,7 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import CheckpointInfo, validate_dir
-from ..checkpoint.format import MANIFEST, SENTINEL, list_step_dirs, mark_incomplete, seal
+from ..checkpoint.format import (
+    MANIFEST,
+    SENTINEL,
+    list_step_dirs,
+    mark_incomplete,
+    parse_hf_step,
+    seal,
+)
 from ..checkpoint.format import retain as retain_dirs
 from ..checkpoint.io.files import crc32_file, fsync_dir, fsync_file
 from ..errors import CheckpointError
@@ -44,13 +50,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PREFIX = "checkpoint"
-_NAME_RE = re.compile(rf"^{PREFIX}-(\d+)$")  # the same pattern transformers uses
+PREFIX = "checkpoint"  # checkpoint-N, the pattern transformers uses (parse_hf_step)
 
 
-def parse_hf_step(name: str) -> int | None:
-    m = _NAME_RE.match(name)
-    return int(m.group(1)) if m else None
 
 
 def checkpoint_dirs(output_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:

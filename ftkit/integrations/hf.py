@@ -224,13 +224,14 @@ class FtkitCallback(TrainerCallback):
             try:
                 info = commit(path, step=step, reason=reason, world_size=ft.world_size)
             except CheckpointError as exc:
-                ft.events.emit("save-failed", step=step, path=str(path), reason=reason, error=str(exc))
+                ft.events.emit("save-failed", step=step, path=str(path.absolute()), reason=reason, error=str(exc),
+                               kind="hf")
                 if decision is not None and decision.exit:
                     raise
                 log.warning("checkpoint at step %d could not be sealed, training continues: %s", step, exc)
                 return
             seconds = time.monotonic() - self._began
-            ft.events.emit("save", step=step, path=str(path), bytes=info.size, seconds=round(seconds, 3),
+            ft.events.emit("save", step=step, path=str(path.absolute()), bytes=info.size, seconds=round(seconds, 3),
                            reason=reason, kind="hf")
             if self.keep_last is not None:
                 best = state.best_model_checkpoint

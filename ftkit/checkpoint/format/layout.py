@@ -24,6 +24,7 @@ __all__ = [
     "PIN",
     "SENTINEL",
     "list_step_dirs",
+    "parse_hf_step",
     "parse_step",
     "rank_file",
     "step_name",
@@ -52,6 +53,15 @@ def rank_file(rank: int) -> str:
 def parse_step(name: str) -> int | None:
     """The step of a directory named by :func:`step_name`, else None."""
     m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+_HF_RE = re.compile(r"^checkpoint-(\d+)$")  # Hugging Face Trainer's (ftkit.integrations.hf seals them)
+
+
+def parse_hf_step(name: str) -> int | None:
+    """The step of a Hugging Face Trainer ``checkpoint-N`` directory, else None."""
+    m = _HF_RE.match(name)
     return int(m.group(1)) if m else None
 
 

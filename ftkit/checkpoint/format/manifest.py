@@ -27,7 +27,7 @@ from typing import Any
 from ..config import CheckpointInfo
 from ..io.files import CHECKSUM, atomic_write_bytes
 from ..io.reader import FileProblem, check_file
-from .layout import MANIFEST, PIN, SENTINEL, parse_step
+from .layout import MANIFEST, PIN, SENTINEL, parse_hf_step, parse_step
 
 __all__ = [
     "FORMAT",
@@ -204,6 +204,7 @@ def validate_dir(path: str | os.PathLike[str], *, checksums: bool = False) -> Ch
     a load stops rather than fall back past it and nothing deletes it."""
     path = Path(path)
     step = parse_step(path.name)
+    step = parse_hf_step(path.name) if step is None else step  # a Hugging Face checkpoint-N, sealed by ftkit
     step = -1 if step is None else step
     pinned = os.path.lexists(path / PIN)
 
