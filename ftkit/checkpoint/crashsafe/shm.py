@@ -114,9 +114,16 @@ class Segment:
         except OSError as exc:
             os.close(fd)
             self._unlink()
+            try:
+                st = os.statvfs(directory)
+                free = f" ({st.f_bavail * st.f_frsize} bytes free there now)"
+            except OSError:
+                free = ""
             raise CheckpointError(
                 f"cannot reserve {self.size} bytes of shared memory in {directory} for a snapshot: "
-                f"{exc.strerror or exc}; free space there or set checkpoint.async.shm_dir"
+                f"{exc.strerror or exc}{free}. A crash-safe background save keeps max_in_flight + 1 "
+                "snapshots of this size there (two by default, each slot made at its first use): free that "
+                "much space there or set checkpoint.async.shm_dir"
             ) from exc
         self._fd = fd  # kept open for the write lock
         _HEADER.pack_into(self._head, 0, MAGIC, VERSION, WRITING, -1, -1, _PAGE, 0, self.data_off)
