@@ -12,6 +12,7 @@ held step 1.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -330,3 +331,39 @@ def trainer(mode: str, root: str, mb: int) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
     trainer(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+
+
+def test_a_full_shm_dir_says_how_much_is_free_and_how_much_is_kept_there(tmp_path):
+    """A 6 MiB tmpfs as ``shm_dir`` and a 4 MiB state: the second snapshot slot does not fit.
+    The error names the directory, what is free there, and that max_in_flight + 1 snapshots
+    are kept (the user saw room for one and did not know a second was wanted); no checkpoint
+    of it is left claiming to be valid."""
+    import torch
+
+    from ftkit.checkpoint.background.manager import AsyncCheckpointer, AsyncConfig
+    from ftkit.errors import CheckpointError
+    from tests.ckpt_helpers import make_mgr
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(shm)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (not root?): {mounted.stderr.decode().strip()}")
+    try:
+        mgr = AsyncCheckpointer(make_mgr(tmp_path / "ck").config,
+                                async_config=AsyncConfig(crash_safe=True, memory_every=1, shm_dir=str(shm)))
+        try:
+            state = {"w": torch.ones(1 << 20)}  # 4 MiB
+            with pytest.raises(CheckpointError) as caught:
+                for step in range(1, 4):
+                    mgr.on_step(step, state)
+                mgr.save(4, state)
+                mgr.wait()
+            said = str(caught.value)
+            assert f"shared memory in {shm}" in said and "bytes free there now" in said, said
+            assert "max_in_flight + 1 snapshots of this size" in said, said
+        finally:
+            with contextlib.suppress(CheckpointError):
+                mgr.close()
+    finally:
+        subprocess.run(["umount", "-l", str(shm)], check=False)
