@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -380,6 +381,20 @@ if __name__ == "__main__":
 
 
 # ---------------------------------------------------------------- in-process helpers
+class SlowState:
+    """A stateful object whose ``state_dict()`` takes ``seconds`` (an FSDP gather, say)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def state_dict(self) -> dict:
+        time.sleep(self.seconds)
+        return {"x": 1}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+
 class FakeManager:
     """A custom manager selectable by import path (``tests.ckpt_helpers:FakeManager``)."""
 

@@ -200,16 +200,10 @@ def test_a_save_events_seconds_count_the_state_capture(tmp_path: Path, backgroun
     ``seconds``, which ``ftkit status`` and a pod's grace period are sized from, count it, not
     only the write."""
 
-    class Slow:
-        def state_dict(self):
-            time.sleep(0.4)
-            return {"x": 1}
-
-        def load_state_dict(self, sd):
-            pass
+    from tests.ckpt_helpers import SlowState
 
     config = ftkit.Config(async_save=ftkit.AsyncConfig() if background else None)
-    with ftkit.FaultTolerance(tmp_path, state={"slow": Slow()}, config=config) as ft:
+    with ftkit.FaultTolerance(tmp_path, state={"slow": SlowState(0.4)}, config=config) as ft:
         ft.save(1)
     saves = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "save"]
     assert [e["step"] for e in saves] == [1] and saves[0]["seconds"] >= 0.4, saves

@@ -279,18 +279,11 @@ def test_memory_snapshots_are_counted_as_the_loop_stall_they_are(tmp_path: Path)
     import ftkit
     from ftkit.events import read_events
     from ftkit.report import analyse
-
-    class Slow:
-        def state_dict(self):
-            time.sleep(0.05)
-            return {"x": 1}
-
-        def load_state_dict(self, sd):
-            pass
+    from tests.ckpt_helpers import SlowState
 
     config = ftkit.Config(async_save=ftkit.AsyncConfig(memory_every=1), save_at_end=False,
                           timing=ftkit.control.runclock.TimingConfig(progress_every=0.2))
-    with ftkit.FaultTolerance(tmp_path, state={"slow": Slow()}, config=config) as ft:
+    with ftkit.FaultTolerance(tmp_path, state={"slow": SlowState(0.05)}, config=config) as ft:
         for _ in ft.range(20):
             time.sleep(0.01)
     events = list(read_events(tmp_path / "events.jsonl"))
