@@ -154,6 +154,13 @@ def test_status_does_not_promise_a_checkpoint_a_resume_found_broken(tmp_path):
     for step in (15, 20):
         assert by_step[step]["status"] == "corrupt" and by_step[step]["reason"].startswith("a resume skipped it: "), by_step
     assert by_step[10]["status"] == "valid"
+    # a skip for a read the system failed (a stale NFS handle) does not make a checkpoint broken
+    EventLog(job / "events.jsonl").emit("skip", step=10, path=str(job / "checkpoints" / "step-00000010"),
+                                        reason="[Errno 116] Stale file handle: 'rank-00000.pt'")
+    out = subprocess.run([sys.executable, "-m", "ftkit", "status", str(job), "--json"], capture_output=True,
+                         text=True, timeout=60)
+    status = json.loads(out.stdout)
+    assert status["verdict"] == "if the job dies now, it resumes from step 10", status["verdict"]
 
 
 def test_a_checkpoint_skipped_for_a_failed_read_is_not_set_aside(tmp_path, monkeypatch):

@@ -23,7 +23,6 @@ from __future__ import annotations
 import builtins
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
@@ -34,7 +33,7 @@ from .comm import Comm
 from .config import CheckpointConfig, CheckpointInfo
 from .format.commit import Committer, save_error
 from .format.layout import DCP_DIR, list_step_dirs, rank_file, step_name
-from .format.manifest import validate_dir, verify_files, verify_share
+from .format.manifest import known_broken, validate_dir, verify_files, verify_share
 from .format.pins import pin_checkpoint
 from .io.statefile import (
     WriteProgress,
@@ -129,17 +128,6 @@ def _reshard(state: Mapping[str, Any]) -> None:
             for module in value.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
-
-
-def _found_broken(problem: str) -> bool:
-    """Whether a checkpoint skipped for ``problem`` (the ranks' agreed one) is known broken: its
-    contents do not match its manifest (a checksum, a size, a state file that does not parse, a
-    manifest that does not). Not a save that never finished (``incomplete``: retention's to
-    remove), nor a read the system failed (``[Errno N]``, "cannot read": a stale NFS handle, a
-    transient I/O error), after which the checkpoint may load next time."""
-    if problem.startswith("incomplete:"):
-        return False
-    return not re.search(r"\[Errno \d+\]|(^|: )cannot read ", problem)
 
 
 class _EarlyRead:
@@ -465,7 +453,7 @@ class Checkpointer(CheckpointManager):
                            find_seconds=round(found - began, 6), read_seconds=round(time.monotonic() - found, 6))
                 return restored
             skipped.append(f"{path.name}: {problem}")
-            if _found_broken(problem):  # agreed: the same on every rank (not this rank's own validation)
+            if known_broken(problem):  # agreed: the same on every rank (not this rank's own validation)
                 self._passed_broken = True
             log.warning("skipping checkpoint %s: %s", path, problem)
             self._emit("skip", step=info.step, path=str(path), reason=problem)

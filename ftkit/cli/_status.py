@@ -160,7 +160,10 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
 
 def _found_broken(log: list[dict[str, Any]]) -> dict[str, str]:
     """The checkpoints a resume skipped as broken since they were saved (``skip`` events after
-    the last ``save`` of their path; not a save that never finished): path -> why."""
+    the last ``save`` of their path, for a reason that shows them broken: not a save that never
+    finished, not a read the system failed): path -> why."""
+    from ..checkpoint.format.manifest import known_broken
+
     broken: dict[str, str] = {}
     for e in log:
         path = e.get("path")
@@ -168,7 +171,7 @@ def _found_broken(log: list[dict[str, Any]]) -> dict[str, str]:
             continue
         if e.get("event") == "save":
             broken.pop(path, None)
-        elif e.get("event") == "skip" and not str(e.get("reason", "")).startswith("incomplete"):
+        elif e.get("event") == "skip" and known_broken(str(e.get("reason", ""))):
             broken[path] = str(e.get("reason") or "no reason given")
     return broken
 

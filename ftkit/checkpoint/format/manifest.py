@@ -19,6 +19,7 @@ import errno
 import functools
 import json
 import os
+import re
 import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePosixPath
@@ -194,6 +195,18 @@ def _unreadable(exc: OSError, where: Path) -> str:
     """Why a checkpoint could not be looked at: not that it is bad, that this process cannot tell."""
     return (f"cannot read {exc.filename or where}: {exc.strerror or exc} (the checkpoint may be intact: "
             "fix the permissions or the filesystem, or move the directory away to use an older one)")
+
+
+def known_broken(problem: str) -> bool:
+    """Whether a checkpoint a load skipped for ``problem`` (the ranks' agreed one, as the
+    ``skip`` event records it) is known broken: its contents do not match its manifest (a
+    checksum, a size, a state file that does not parse, a manifest that does not). Not a save
+    that never finished (``incomplete``: retention's to remove), nor a read the system failed
+    (``[Errno N]``, "cannot read": a stale NFS handle, a transient I/O error), after which the
+    checkpoint may load next time."""
+    if problem.startswith("incomplete:"):
+        return False
+    return not re.search(r"\[Errno \d+\]|(^|: )cannot read ", problem)
 
 
 def validate_dir(path: str | os.PathLike[str], *, checksums: bool = False) -> CheckpointInfo:
