@@ -72,6 +72,7 @@ class Request:
     requeue: bool | None = None  # True: ask for requeue, False: never requeue, None: no opinion
     pin: bool = False  # the checkpoint it produces is kept by retention
     origin: str | None = None  # the file behind a switch or request file, consumed once acted on
+    signal: int | None = None  # the signal's number, for a signal's request (each rank learns which were seen)
     created: float = field(default_factory=time.monotonic)
 
 

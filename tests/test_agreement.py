@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ftkit.control.agreement import AgreementConfig, Flag, decode_flags, encode
+from ftkit.control.agreement import AgreementConfig, Flag, decode_flags, decode_signals, encode
 from ftkit.decision import Action, Request, Source
 from ftkit.errors import ConfigError
 from tests.conftest import wait_for
@@ -60,7 +60,7 @@ def test_only_one_rank_sees_the_signal_both_decide_at_the_same_step(tmp_path: Pa
     assert d0[0]["requeue"] is d1[0]["requeue"] is True
     mine, other = (d0, d1) if signalled_rank == 0 else (d1, d0)
     assert mine[0]["reasons"] == ["SIGUSR1 received"]
-    assert other[0]["reasons"] == ["signal (seen by another rank)"]
+    assert other[0]["reasons"] == ["SIGUSR1 received by another rank"]
 
 
 def test_flags_roundtrip_and_kill_wins_over_requeue() -> None:
@@ -74,6 +74,17 @@ def test_flags_roundtrip_and_kill_wins_over_requeue() -> None:
     flags = encode([Request(Action.SAVE, Source.SAVE_SWITCH, "s")], no_save=True)
     assert flags[Flag.NO_SAVE] == 1
     assert decode_flags(flags)[0] == Action.EXIT  # kill-switch at start: exit, write nothing
+
+
+def test_each_signal_is_named_on_every_rank() -> None:
+    """Which signals arrived travels with the flags: a rank that saw SIGTERM learns of another's
+    SIGUSR1 (the requeue policy reads the name), and a signal's absence is not invented."""
+    usr1 = encode([Request(Action.SAVE_EXIT, Source.SIGNAL, "u", requeue=True, signal=signal.SIGUSR1)])
+    term = encode([Request(Action.SAVE_EXIT, Source.SIGNAL, "t", signal=signal.SIGTERM)])
+    agreed = [max(a, b) for a, b in zip(usr1, term, strict=True)]
+    assert decode_signals(agreed) == [signal.SIGUSR1, signal.SIGTERM]
+    assert decode_signals(encode([Request(Action.SAVE, Source.SAVE_SWITCH, "s")])) == []
+    assert decode_flags(agreed)[3] == {Source.SIGNAL}
 
 
 @pytest.mark.parametrize("every", [0, -3, 2.5])

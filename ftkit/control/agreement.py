@@ -1,7 +1,8 @@
 """Cross-rank agreement: every rank gets the same decision at the same step.
 
 Each rank encodes what it has seen since the last agreement as a short vector of 0/1 flags
-(actions, requeue wishes, sources) and the ranks take the element-wise MAX in one small
+(actions, requeue wishes, sources, and which signals arrived: one flag per signal number)
+and the ranks take the element-wise MAX in one small
 ``all_reduce`` on the process group's device (gloo: CPU, NCCL: the current CUDA device).
 Since every rank maps the same flags to the same decision, a trigger seen by one rank on
 one node reaches all of them at the same step.
@@ -13,6 +14,7 @@ The collective runs at the first check and then every ``every`` steps; all ranks
 from __future__ import annotations
 
 import enum
+import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +22,7 @@ from typing import Any
 from ..decision import Action, Request, Source
 from ..errors import ConfigError
 
-__all__ = ["AgreementConfig", "Flag", "decode_flags", "encode"]
+__all__ = ["AgreementConfig", "Flag", "decode_flags", "decode_signals", "encode"]
 
 
 class Flag(enum.IntEnum):
@@ -48,7 +50,8 @@ SOURCE_FLAG = {
     Source.TIME_BUDGET: Flag.TIME_BUDGET,
     Source.API: Flag.API,
 }
-WIDTH = len(Flag)
+SIGNALS = len(Flag)  # flags SIGNALS + n - 1: signal n arrived at some rank (n in 1..NSIG - 1)
+WIDTH = SIGNALS + signal.NSIG - 1
 
 
 @dataclass(kw_only=True, slots=True)
@@ -83,6 +86,8 @@ def encode(requests: Iterable[Request], *, no_save: bool = False) -> list[int]:
         if r.pin:
             flags[Flag.PIN] = 1
         flags[SOURCE_FLAG[r.source]] = 1
+        if r.signal is not None and 0 < r.signal < signal.NSIG:
+            flags[SIGNALS + r.signal - 1] = 1
     if no_save:
         flags[Flag.EXIT] = flags[Flag.NO_SAVE] = flags[Flag.KILL_SWITCH] = 1
         flags[Flag.NO_REQUEUE] = 1
@@ -105,6 +110,11 @@ def decode_flags(flags: list[int]) -> tuple[Action, bool | None, bool, frozenset
         requeue = True
     sources = frozenset(s for s, f in SOURCE_FLAG.items() if flags[f])
     return action, requeue, bool(flags[Flag.PIN]), sources
+
+
+def decode_signals(flags: list[int]) -> list[int]:
+    """The numbers of the signals some rank received, ascending."""
+    return [n for n in range(1, signal.NSIG) if flags[SIGNALS + n - 1]]
 
 
 class Collective:

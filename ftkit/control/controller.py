@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from ..triggers.switches import (
     switch_is_set,
     touched_at,
 )
-from .agreement import WIDTH, AgreementConfig, Collective, decode_flags, encode
+from .agreement import WIDTH, AgreementConfig, Collective, decode_flags, decode_signals, encode
 from .interval import AutoInterval, IntervalConfig
 from .runclock import RunClock, TimingConfig
 from .watchdog import Watchdog, WatchdogConfig
@@ -397,7 +398,11 @@ class FaultTolerance:
             return Decision(step)
         local = {r.source for r in self._pending}
         reasons = [r.reason for r in self._pending]
-        reasons += [f"{s.value} (seen by another rank)" for s in sorted(sources - local, key=lambda s: s.value)]
+        # another rank's signal by name: the requeue policy tells a SIGUSR1 from a SIGTERM by it
+        theirs = [n for n in decode_signals(flags) if n not in {r.signal for r in self._pending}]
+        reasons += [f"{_signal_name(n)} received by another rank" for n in theirs]
+        named = local | ({Source.SIGNAL} if theirs else set())
+        reasons += [f"{s.value} (seen by another rank)" for s in sorted(sources - named, key=lambda s: s.value)]
         if self._no_save_at_start:
             reasons.insert(0, f"kill-switch {self.job.kill_switch} present at start: exiting without saving")
         decision = Decision(step, action, requeue, pin, sources, tuple(dict.fromkeys(reasons)))
@@ -654,6 +659,13 @@ class FaultTolerance:
         cutoff = self._handled_wall.get(Source.REQUEST)
         if Source.REQUEST in decision.sources and cutoff is not None:
             remove_handled_requests(self.job, cutoff)
+
+
+def _signal_name(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
 
 
 def _event_written(error: BaseException, step: int | None = None) -> bool:

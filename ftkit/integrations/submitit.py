@@ -97,7 +97,7 @@ def _replay(ft: FaultTolerance, signals: SignalConfig, seen: _Seen) -> None:
         if sig in signals.resolved:
             action, requeue = signals.resolved[sig]
             ft.box.post(Request(action, Source.SIGNAL, f"{sig.name} received while ftkit started",
-                                requeue=requeue))
+                                requeue=requeue, signal=signum))
 
 
 class FtkitCheckpointable(Checkpointable):

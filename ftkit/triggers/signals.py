@@ -137,7 +137,7 @@ class SignalTrigger:
             except BaseException as exc:  # it must not end the step; the reason names it
                 reason += (f" (the handler installed before ftkit's raised {type(exc).__name__}"
                            f"{': ' + str(exc) if str(exc) else ''}; held back so the step ends cleanly)")
-        self._box.post(Request(action, Source.SIGNAL, reason, requeue=requeue, created=now))
+        self._box.post(Request(action, Source.SIGNAL, reason, requeue=requeue, signal=signum, created=now))
 
     def close(self) -> None:
         for signum, previous in self._previous.items():
