@@ -6,14 +6,19 @@ The loads run without the capabilities that let root read any file whatever its 
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from ftkit.checkpoint import CheckpointInfo, validate_dir
 from ftkit.checkpoint.format.retention import plan_retention
+from ftkit.errors import CheckpointError
 from tests.ckpt_helpers import make_mgr, small_state
 
 LOAD = textwrap.dedent("""
@@ -106,3 +111,33 @@ def test_a_manifest_that_is_a_directory_is_corrupt_not_unreadable(tmp_path: Path
     assert info.status == "corrupt" and "Is a directory" in info.reason, info
     state = small_state()
     assert make_mgr(root).load(state) == 1 and state["extra"]["value"] == 1
+
+
+@pytest.mark.parametrize("code", [errno.ESTALE, errno.EMFILE, errno.ENOMEM, errno.EINTR])
+def test_an_error_of_the_system_is_unreadable_not_corrupt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code) -> None:
+    """A stale NFS handle, too many open files, no memory: the checkpoint is not known to be bad.
+    ``validate_dir`` says unreadable (only a broken layout is corrupt), and a resume stops there
+    naming it instead of falling back past it, and sets nothing aside."""
+    root = tmp_path / "ck"
+    mgr = make_mgr(root, keep_last=None)
+    for step in (1, 2):
+        mgr.save(step, small_state(step))
+    newest = root / "step-00000002"
+    victim = newest / next(iter(json.loads((newest / "manifest.json").read_text())["files"]))
+    lstat = os.lstat
+
+    def failing(path, *args, **kwargs):
+        if Path(path) == victim:
+            raise OSError(code, os.strerror(code), str(path))
+        return lstat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "lstat", failing)
+    info = validate_dir(newest)
+    assert info.status == "unreadable" and os.strerror(code) in info.reason, info
+    with pytest.raises(CheckpointError, match="step-00000002"):
+        make_mgr(root).load(small_state())
+    monkeypatch.setattr(os, "lstat", lstat)
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-00000001", "step-00000002"]
+    assert not [p for p in root.iterdir() if p.name.startswith("set-aside")]
+    state = small_state()
+    assert make_mgr(root).load(state) == 2 and state["extra"]["value"] == 2

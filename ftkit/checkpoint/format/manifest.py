@@ -176,10 +176,11 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
-_CANNOT_LOOK = {errno.EACCES, errno.EPERM, errno.EIO, errno.ETIMEDOUT, errno.ENOTCONN, errno.EHOSTDOWN,
-                errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENOLINK, errno.EREMOTEIO}
-"""Errors that say this process may not or cannot look now (permissions, an I/O or network
-filesystem error), not that the checkpoint is bad: such a checkpoint is ``unreadable``."""
+_SAYS_BAD = {errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ENAMETOOLONG}
+"""Errors that say the checkpoint's layout is broken (a manifest that is a directory, a file
+under something that is not one, a link loop): such a checkpoint is ``corrupt``. Any other error
+(permissions, I/O, a network filesystem's stale handle or timeout, too many open files, memory)
+says only that this process cannot look now: ``unreadable``, not known to be bad."""
 
 
 def _exists(path: Path) -> bool:
@@ -238,7 +239,7 @@ def validate_dir(path: str | os.PathLike[str], *, checksums: bool = False) -> Ch
     except FileNotFoundError as exc:  # gone meanwhile (retention, a person)
         return info("corrupt", f"{exc.filename or path} vanished")
     except OSError as exc:
-        if exc.errno not in _CANNOT_LOOK:  # a manifest that is a directory, a link loop, ...
+        if exc.errno in _SAYS_BAD:  # a manifest that is a directory, a link loop, ...
             return info("corrupt", f"{exc.filename or path}: {exc.strerror or exc}")
         return info("unreadable", _unreadable(exc, path))
     except ValueError as exc:
@@ -264,7 +265,7 @@ def validate_dir(path: str | os.PathLike[str], *, checksums: bool = False) -> Ch
         except FileNotFoundError:
             return info("corrupt", f"{name} is missing", **common)
         except OSError as exc:
-            if exc.errno not in _CANNOT_LOOK:
+            if exc.errno in _SAYS_BAD:
                 return info("corrupt", f"cannot stat {name}: {exc.strerror or exc}", **common)
             return info("unreadable", _unreadable(exc, path / name), **common)
         if not stat.S_ISREG(fst.st_mode):
