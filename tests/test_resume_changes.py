@@ -157,6 +157,9 @@ def test_status_does_not_promise_a_checkpoint_a_resume_found_broken(tmp_path):
     # a skip for a read the system failed (a stale NFS handle) does not make a checkpoint broken
     EventLog(job / "events.jsonl").emit("skip", step=10, path=str(job / "checkpoints" / "step-00000010"),
                                         reason="[Errno 116] Stale file handle: 'rank-00000.pt'")
+    # nor does a skip whose status says it is not known bad (a Hugging Face resume's event)
+    EventLog(job / "events.jsonl").emit("skip", step=10, path=str(job / "checkpoints" / "step-00000010"),
+                                        status="incomplete", reason="checkpoint-is-incomplete present")
     out = subprocess.run([sys.executable, "-m", "ftkit", "status", str(job), "--json"], capture_output=True,
                          text=True, timeout=60)
     status = json.loads(out.stdout)

@@ -171,7 +171,8 @@ def _found_broken(log: list[dict[str, Any]]) -> dict[str, str]:
             continue
         if e.get("event") == "save":
             broken.pop(path, None)
-        elif e.get("event") == "skip" and known_broken(str(e.get("reason", ""))):
+        elif (e.get("event") == "skip" and e.get("status") not in ("incomplete", "unreadable")
+              and known_broken(str(e.get("reason", "")))):  # (a Hugging Face resume's skip says its status)
             broken[path] = str(e.get("reason") or "no reason given")
     return broken
 
