@@ -1043,6 +1043,31 @@ def test_a_dcp_checkpoint_is_read_once_per_file_straight_into_the_live_tensors(t
         assert 0 < small <= 64 << 10, small
 
 
+def test_memory_running_out_in_the_early_read_fails_the_load_and_sets_nothing_aside(tmp_path, trained, monkeypatch):
+    """The early read of the newest DCP checkpoint runs out of memory (no fault of its files):
+    the load fails naming it, rather than skipping the checkpoint as broken and training on from
+    the older one, whose first save would set the newest aside. Memory back, it loads."""
+    from ftkit.checkpoint import dcp_reader as _dcp_reader
+    from tests.ckpt_helpers import build_state
+
+    root = tmp_path / "ck"
+    trained(root, 2, 4, 7)
+    real = _dcp_reader.StreamingReader.prefetch
+
+    def out_of_memory(self):
+        raise MemoryError("no room for the staging buffers")
+
+    monkeypatch.setattr(_dcp_reader.StreamingReader, "prefetch", out_of_memory)
+    state, _ = build_state()
+    mgr = make_mgr(root)
+    with pytest.raises(CheckpointError, match=r"step-00000007.*MemoryError: no room for the staging buffers"):
+        mgr.load(state)
+    monkeypatch.setattr(_dcp_reader.StreamingReader, "prefetch", real)
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith(("step-", "set-aside"))) == [
+        "step-00000004", "step-00000007"]
+    assert make_mgr(root).load(build_state()[0]) == 7
+
+
 def test_a_rank_reads_its_own_dcp_file_whole_and_the_values_in_anothers_in_small_direct_reads(tmp_path, monkeypatch):
     """Rank 0's share of a two-rank DCP load (driven in one process): its own ``__0_*.distcp``
     is read whole, and the small values DCP stored once in rank 1's file (an optimizer's

@@ -110,6 +110,13 @@ def _holds_corrupt(damaged: Path, what: str, root: Path) -> str:
             "again (the state is then loaded from the one before it, as initialised where that one has nothing)")
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is host or device memory running out: no fault of a checkpoint's files."""
+    import torch
+
+    return isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError))
+
+
 def _reshard(state: Mapping[str, Any]) -> None:
     """Reshard every FSDP2 module of ``state`` before a load looks at its parameters. After a
     forward FSDP2 leaves a module's unsharded parameters registered (the root's, by default)
@@ -549,6 +556,10 @@ class Checkpointer(CheckpointManager):
             early.available = set(early.payload["state"]) | saved_keys(path, reader)
         except Exception as exc:  # this rank's problem: every rank skips the checkpoint (none may hang)
             early.problem = str(exc) or type(exc).__name__
+            if _out_of_memory(exc):  # not the files' doing: the load fails on every rank (nothing set aside)
+                early.problem = _REFUSED + (f"could not read {path / early.name}: "
+                                            f"{f'rank {self.rank}: ' if self.comm.distributed else ''}"
+                                            f"{type(exc).__name__}: {exc}")
         return early
 
     def _refusal(self, state: Mapping[str, Any], available: set[str], path: Path,
