@@ -13,6 +13,7 @@ __all__ = [
     "JobDirBusyError",
     "NoCheckpointError",
     "SlurmError",
+    "out_of_memory",
 ]
 
 
@@ -71,3 +72,11 @@ class JobDirBusyError(FtkitError, SystemExit):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is host memory (``MemoryError``) or a device's (torch's ``OutOfMemoryError``)
+    running out: never a checkpoint's fault, so a load that meets it fails instead of skipping
+    the checkpoint as broken (and training on from an older one, or from scratch)."""
+    return isinstance(exc, MemoryError) or any(
+        c.__name__ == "OutOfMemoryError" and c.__module__.startswith("torch") for c in type(exc).__mro__)

@@ -196,6 +196,30 @@ def test_a_checkpoint_skipped_for_a_failed_read_is_not_set_aside(tmp_path, monke
         "step-00000010", "step-00000011", "step-00000020"]
 
 
+def test_memory_running_out_while_parsing_a_state_file_is_not_a_corrupt_checkpoint(tmp_path, monkeypatch):
+    """Parsing the newest state file runs out of memory: the load raises it, rather than take
+    the checkpoint for a corrupt one and resume from the older (whose first save would set the
+    newest aside)."""
+    from ftkit.checkpoint.io import statefile as _statefile
+
+    root = tmp_path / "ck"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    for step in (10, 20):
+        make_mgr(root).save(step, {"model": model})
+    real = _statefile._parse
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(_statefile, "_parse", out_of_memory)
+    with pytest.raises(MemoryError):
+        make_mgr(root).load({"model": torch.nn.Linear(4, 2)})
+    monkeypatch.setattr(_statefile, "_parse", real)
+    again = torch.nn.Linear(4, 2)
+    assert make_mgr(root).load({"model": again}) == 20 and torch.equal(again.weight, model.weight)
+
+
 def test_a_scheduler_class_of_the_users_own_resumes_from_its_own_checkpoint(tmp_path):
     """A scheduler that leaves a constructor argument out of its ``state_dict`` (a callable:
     weights-only pickling cannot hold it), or that gained an argument since the save: the same

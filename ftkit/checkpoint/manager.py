@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, NoCheckpointError
+from ..errors import CheckpointError, NoCheckpointError, out_of_memory
 from .comm import Comm
 from .config import CheckpointConfig, CheckpointInfo
 from .format.commit import Committer, save_error
@@ -108,13 +108,6 @@ def _holds_corrupt(damaged: Path, what: str, root: Path) -> str:
     return (f"{damaged} was found corrupt while it was read into the live state, and {what}: this run cannot "
             f"go on from a state that holds part of a corrupt checkpoint. Move {damaged} out of {root} and start "
             "again (the state is then loaded from the one before it, as initialised where that one has nothing)")
-
-
-def _out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is host or device memory running out: no fault of a checkpoint's files."""
-    import torch
-
-    return isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError))
 
 
 def _reshard(state: Mapping[str, Any]) -> None:
@@ -556,7 +549,7 @@ class Checkpointer(CheckpointManager):
             early.available = set(early.payload["state"]) | saved_keys(path, reader)
         except Exception as exc:  # this rank's problem: every rank skips the checkpoint (none may hang)
             early.problem = str(exc) or type(exc).__name__
-            if _out_of_memory(exc):  # not the files' doing: the load fails on every rank (nothing set aside)
+            if out_of_memory(exc):  # not the files' doing: the load fails on every rank (nothing set aside)
                 early.problem = _REFUSED + (f"could not read {path / early.name}: "
                                             f"{f'rank {self.rank}: ' if self.comm.distributed else ''}"
                                             f"{type(exc).__name__}: {exc}")

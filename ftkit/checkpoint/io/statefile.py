@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ...errors import CheckpointError
+from ...errors import CheckpointError, out_of_memory
 from . import reader as _reader
 from .archive import Held, LayoutGuess, archive_records, archive_records_guessed, check_guess
 from .device import DeviceCopies, load_copies
@@ -329,6 +329,8 @@ def parse_state_file(path: Path, read: tuple[Any, memoryview]) -> dict[str, Any]
     try:
         payload = _parse(view, mapping)
     except Exception as exc:
+        if out_of_memory(exc):  # no fault of the file's: not a corrupt checkpoint to skip
+            raise
         raise CheckpointError(f"cannot load {path}: {exc}") from exc
     if not isinstance(payload, dict) or payload.get("format") != FILE_FORMAT:
         raise CheckpointError(f"{path} is not an {FILE_FORMAT} file")
@@ -527,7 +529,7 @@ def _read_state_into(directory: Path, name: str, meta: Mapping[str, Any],
         try:
             return aim(mapping, view, fetch, records)
         except Exception as exc:
-            if holder["checks"]:  # parsed at guessed places: the guess may be what is wrong
+            if holder["checks"] and not out_of_memory(exc):  # parsed at guessed places: the guess may be what is wrong
                 raise LayoutGuess(f"the file did not parse at the places its directory implies ({exc})") from exc
             raise
 
@@ -597,8 +599,8 @@ def _read_state_into(directory: Path, name: str, meta: Mapping[str, Any],
             check_guess(view, holder["checks"])  # the bytes parsed are the file's: so are the places?
         except BaseException as exc:
             holder["undo"].undo()  # (the placing threads are done) what must survive, put back
-            if isinstance(exc, (LayoutGuess, CheckpointError)) or not isinstance(exc, Exception):
-                raise
+            if isinstance(exc, (LayoutGuess, CheckpointError)) or not isinstance(exc, Exception) or out_of_memory(exc):
+                raise  # (memory running out is no fault of the file's: the load fails, nothing is skipped)
             if isinstance(exc, FileProblem):
                 raise CheckpointError(f"{directory}: {exc}") from exc
             raise CheckpointError(f"cannot load {path}: {exc}") from exc
