@@ -343,21 +343,36 @@ def _same(a: dict, b: dict) -> bool:
 
 @pytest.mark.parametrize("where", [0.5, 0.999], ids=["in-tensor-data", "in-the-zip-directory"])
 def test_corruption_found_during_the_read_falls_back_to_exactly_the_older_state(tmp_path, where):
+    import random
+
+    def with_schedule(value: int, steps: int) -> dict:
+        state = _state(value)
+        state["scheduler"] = torch.optim.lr_scheduler.StepLR(state["optimizer"], step_size=1, gamma=0.5)
+        for _ in range(steps):
+            state["optimizer"].step()
+            state["scheduler"].step()
+        return state
+
     root = tmp_path / "ck"
     mgr = make_mgr(root, keep_last=None)
-    older = _state(2)
+    older = with_schedule(2, 2)
     torch.manual_seed(1234)
-    rng_at_2 = torch.get_rng_state()
+    random.seed(1234)
+    rng_at_2, py_rng_at_2 = torch.get_rng_state(), random.getstate()
     mgr.save(2, older)
     want = _snapshot(older)
-    mgr.save(3, _state(3))
+    want_schedule, want_lr = older["scheduler"].state_dict(), [g["lr"] for g in older["optimizer"].param_groups]
+    mgr.save(3, with_schedule(3, 3))
     _flip(root / "step-00000003" / "rank-00000.pt", where)
 
-    live = _state(9)  # a run that went on: every tensor differs from both checkpoints
+    live = with_schedule(9, 5)  # a run that went on: every tensor and counter differs from both checkpoints
     torch.manual_seed(99)
+    random.seed(99)
     assert make_mgr(root).load(live) == 2
     assert _same(_snapshot(live), want)
-    assert torch.equal(torch.get_rng_state(), rng_at_2)  # the RNG is step 2's too
+    assert torch.equal(torch.get_rng_state(), rng_at_2) and random.getstate() == py_rng_at_2  # the RNGs are step 2's too
+    assert live["scheduler"].state_dict() == want_schedule and want_schedule["last_epoch"] == 2  # and the counters
+    assert [g["lr"] for g in live["optimizer"].param_groups] == want_lr == [0.025]
 
 
 def _cut_short_during_the_bulk(path, monkeypatch) -> None:

@@ -132,8 +132,21 @@ def test_report_buckets_add_up_across_kill9_usr1_and_completion(tmp_path: Path) 
     for row in rows:
         parts = row["restart_parts"]
         assert parts["before_ftkit"] > 0.05  # python + torch import, measured from /proc/self/stat
+        assert all(v >= 0 for v in parts.values()), parts  # each part a real stretch of the run's time
         assert row["buckets"]["restart"] == pytest.approx(sum(parts.values()))
     assert rows[1]["restart_parts"]["find"] > 0 and rows[1]["restart_parts"]["load"] > 0
+    # the records behind them, in the order a restart goes: process start, ftkit start, the
+    # checkpoint found and loaded (the load call inside resume), the first step after it
+    starts = [e for e in read_events(jobdir / "events.jsonl") if e["event"] == "start"]
+    for start, run in zip(starts, runs, strict=True):
+        later = [e for e in read_events(jobdir / "events.jsonl") if e.get("pid") == run.proc.pid]
+        first = {name: next(e for e in later if e["event"] == name) for name in ("start", "resume", "first-step")}
+        assert run.began - 0.5 <= start["process_start"] <= start["ftkit_start"] <= first["resume"]["time"]
+        assert first["resume"]["time"] <= first["first-step"]["time"] <= run.ended
+        if run is not runs[0]:
+            load = next(e for e in later if e["event"] == "load")
+            assert 0 < load["find_seconds"] <= first["resume"]["seconds"]
+            assert 0 < load["read_seconds"] <= first["resume"]["seconds"] - load["find_seconds"] + 1e-3
     assert report["between_runs"] >= 1.0  # the two pauses "in the queue"
 
     # goodput from the buckets
