@@ -166,6 +166,15 @@ def test_status_does_not_promise_a_checkpoint_a_resume_found_broken(tmp_path):
     assert status["verdict"] == "if the job dies now, it resumes from step 10", status["verdict"]
 
 
+def _steps_10_and_20(root: Path) -> torch.nn.Linear:
+    """Checkpoints of steps 10 and 20 of one small model in ``root``; the model."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    for step in (10, 20):
+        make_mgr(root).save(step, {"model": model})
+    return model
+
+
 def test_a_checkpoint_skipped_for_a_failed_read_is_not_set_aside(tmp_path, monkeypatch):
     """A read of the newest checkpoint fails for the system's sake (a stale NFS handle): the
     load falls back to the older one, but the newest is not known broken, so the run's first
@@ -175,10 +184,7 @@ def test_a_checkpoint_skipped_for_a_failed_read_is_not_set_aside(tmp_path, monke
     from ftkit.checkpoint import manager as _manager
 
     root = tmp_path / "ck"
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    for step in (10, 20):
-        make_mgr(root).save(step, {"model": model})
+    model = _steps_10_and_20(root)
     real = _manager.read_state_into
     failed = []
 
@@ -203,10 +209,7 @@ def test_memory_running_out_while_parsing_a_state_file_is_not_a_corrupt_checkpoi
     from ftkit.checkpoint.io import statefile as _statefile
 
     root = tmp_path / "ck"
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    for step in (10, 20):
-        make_mgr(root).save(step, {"model": model})
+    model = _steps_10_and_20(root)
     real = _statefile._parse
 
     def out_of_memory(*args, **kwargs):
