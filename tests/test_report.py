@@ -164,6 +164,11 @@ def test_report_buckets_add_up_across_kill9_usr1_and_completion(tmp_path: Path) 
     text = ftkit_cli("report", str(jobdir), "--gpus-per-node", "8").stdout
     assert "goodput" in text and "re-done work" in text and "GPU-hours lost" in text
     assert "killed (no exit record)" in text
+    # each run's restart cost by component: all of them where each run gets lines of its own
+    narrow = ftkit_cli("report", str(jobdir), columns=80).stdout
+    costs = [line.strip() for line in narrow.splitlines() if line.strip().startswith("restart cost ")]
+    assert len(costs) == 3 and all("start " in c for c in costs), narrow
+    assert "find " in costs[1] and "load " in costs[1], costs
 
 
 def test_report_on_a_previous_release_log_says_what_it_cannot_know(tmp_path: Path) -> None:

@@ -100,18 +100,31 @@ def _dur(seconds: float | None) -> str:
     return f"{seconds:.2f} s"
 
 
+_SHORT = {"before_ftkit": "start", "setup": "set-up", "find": "find", "load": "load", "other": "user",
+          "warmup": "warm-up"}  # the restart parts, as a run's cell names them
+
+
+def _restart(r: dict[str, Any], most: int | None = None) -> str:
+    """A run's restart cost and its parts (seconds; ``most``: only that many of the largest),
+    in the order of the table of all runs' time."""
+    parts = r.get("restart_parts") or {}
+    shown = sorted((k for k in _SHORT if parts.get(k)), key=lambda k: -parts[k])[:most]
+    named = ", ".join(f"{_SHORT[k]} {parts[k]:.2f}" for k in _SHORT if k in shown)
+    return _dur((r.get("buckets") or {}).get("restart")) + (f" ({named})" if named else "")
+
+
 def _run_cells(r: dict[str, Any]) -> dict[str, str]:
     end = _clock(r["end"]) + ("" if r["end_known"] else " (last record)")
     return {"run": str(r["run"]), "job / restart": f"{r['job_id'] or '-'} / {r['restart_count']}",
             "nodes / ranks": f"{r['nodes'] or '?'} / {r['world_size']}", "start": _clock(r["start"]),
             "first step": _clock(r["first_step"]), "end": end, "steps": f"{r['steps']} (to {r['last_step']})",
             "exit": r["cause"], "resumed from": "fresh" if r["resumed_from"] is None else str(r["resumed_from"]),
-            "last durable": "-" if r["last_durable"] is None else str(r["last_durable"])}
+            "restart cost": _restart(r, most=2), "last durable": "-" if r["last_durable"] is None else str(r["last_durable"])}
 
 
 def _print_runs(console: Any, runs: list[dict[str, Any]]) -> None:
     """The runs as a table where each run fits on one line of the terminal; else a few lines per
-    run, so that no exit cause or time is cut short or broken up (the table needs about 170
+    run, so that no exit cause or time is cut short or broken up (the table needs about 210
     columns; squeezed into 80, rich would cut every cell to a few letters)."""
     from rich.measure import Measurement
     from rich.table import Table
@@ -127,11 +140,12 @@ def _print_runs(console: Any, runs: list[dict[str, Any]]) -> None:
         console.print(table)
         return
     console.print("[bold]runs[/]")
-    for row in rows:
+    for run, row in zip(runs, rows, strict=True):
         console.print(f"run {row['run']}: exit {row['exit']}", markup=False)
         for names in (("job / restart", "nodes / ranks"), ("start", "first step", "end"),
                       ("steps", "resumed from", "last durable")):
             console.print("  " + ", ".join(f"{name} {row[name]}" for name in names), markup=False)
+        console.print(f"  restart cost {_restart(run)}", markup=False)  # every part: there is room
 
 
 def _clock(t: float | None) -> str:
