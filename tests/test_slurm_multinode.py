@@ -98,6 +98,16 @@ def test_usr1_two_nodes_save_the_same_step_requeue_and_resume_bit_identical(
     assert all(d["requeue"] is True for d in exits)
     assert [r["requeue"] for r in events(jobdir, "requeue")] == [True, False]
     assert {e["world_size"] for e in events(jobdir, "start")} == {WORLD}
+    # the report sees both runs, and the requeued one's restart cost by component
+    report = json.loads(subprocess.run([sys.executable, "-m", "ftkit", "report", "--json", str(jobdir)],
+                                       check=True, capture_output=True, text=True).stdout)
+    first, second = report["runs"]
+    assert (first["restart_count"], second["restart_count"]) == (0, 1), report["runs"]
+    assert "SIGUSR1" in first["cause"] and not first["unplanned"] and second["cause"] == "completed", report["runs"]
+    parts = second["restart_parts"]
+    assert second["resumed_from"] == exits[0]["step"] and parts["find"] > 0 and parts["load"] > 0, second
+    assert parts["before_ftkit"] > 0.05 and all(v >= 0 for v in parts.values()), parts
+    assert {e["rank"] for e in events(jobdir, "resume") if e["step"] is not None} == {0, 1}
 
 
 @pytest.mark.parametrize("template", TEMPLATES)
