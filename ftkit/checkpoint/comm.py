@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from .._collective import all_gather_objects, all_reduce_max, flag_device
 from ..errors import CheckpointError, ConfigError
 
 __all__ = ["Comm"]
@@ -40,11 +41,7 @@ class Comm:
         """Every rank's ``obj``, in rank order, on every rank."""
         if not self.distributed:
             return [obj]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.pg)
-        return out
+        return all_gather_objects(obj, self.pg)
 
     def anyone(self, flag: bool) -> bool:
         """Whether any rank passed True: one ``all_reduce`` of a flag. ``all_gather_object``
@@ -59,15 +56,13 @@ class Comm:
         if not self.distributed:
             return values
         import torch
-        import torch.distributed as dist
 
         flags = self._flags.get(len(values))
         if flags is None:  # on the process group's device (NCCL: the current CUDA device)
-            nccl = "nccl" in str(dist.get_backend(self.pg)).lower()
-            flags = self._flags[len(values)] = torch.zeros(
-                len(values), dtype=torch.int32, device=f"cuda:{torch.cuda.current_device()}" if nccl else "cpu")
+            flags = self._flags[len(values)] = torch.zeros(len(values), dtype=torch.int32,
+                                                           device=flag_device(self.pg))
         flags.copy_(torch.tensor(values, dtype=torch.int32))
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pg)
+        all_reduce_max(flags, self.pg)
         return tuple(int(v) for v in flags.tolist())
 
     def first_problem(self, problem: str | None) -> str:

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from .._collective import all_reduce_max, flag_device
 from ..decision import Action, Request, Source
 from ..errors import ConfigError
 
@@ -122,19 +123,14 @@ class Collective:
 
     def __init__(self, config: AgreementConfig, group: Any = None) -> None:
         import torch
-        import torch.distributed as dist
 
-        self._dist = dist
         self._group = group
-        device = config.device
-        if device is None:
-            backend = str(dist.get_backend(group)).lower()
-            device = f"cuda:{torch.cuda.current_device()}" if "nccl" in backend else "cpu"
+        device = config.device if config.device is not None else flag_device(group)
         self._buf = torch.zeros(WIDTH, dtype=torch.int32, device=device)
         self._torch = torch
 
     def reduce(self, flags: list[int]) -> list[int]:
         buf = self._buf
         buf.copy_(self._torch.tensor(flags, dtype=self._torch.int32), non_blocking=False)
-        self._dist.all_reduce(buf, op=self._dist.ReduceOp.MAX, group=self._group)
+        all_reduce_max(buf, self._group)
         return buf.tolist()

@@ -16,6 +16,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from .._collective import all_reduce_max, flag_device
 from .._fs import atomic_write, fsync_dir
 from ..errors import EXIT_JOBDIR_BUSY, ConfigError, FtkitError
 from ..events import EventLog
@@ -379,13 +380,9 @@ class Lease:
 def agree_refused(refused: int, group: Any, device: str | None = None) -> int:
     """All ranks learn rank 0's outcome (0: lease taken, else a failure code): MAX over ranks."""
     import torch
-    import torch.distributed as dist
 
-    if device is None:
-        backend = str(dist.get_backend(group)).lower()
-        device = f"cuda:{torch.cuda.current_device()}" if "nccl" in backend else "cpu"
-    flag = torch.tensor([int(refused)], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    flag = torch.tensor([int(refused)], dtype=torch.int32, device=device or flag_device(group))
+    all_reduce_max(flag, group)
     return int(flag.item())
 
 
