@@ -94,3 +94,34 @@ def test_ftkits_all_reduces_return_after_gloos_worker_let_go_of_their_buffers() 
         seen = next(line for line in out.splitlines() if line.startswith("plain held"))
         assert int(seen.split()[-1]) >= 1, out
         assert f"late {r} {{'most': 0, 'reduce': 0, 'helper': 0, 'gather': 0}}" in out, out
+
+
+BOUND = textwrap.dedent("""
+    import os, sys
+    import torch
+    import torch.distributed as dist
+    from ftkit import _collective
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + sys.argv[1])
+    _collective.LET_GO_SECONDS = 0.2
+    buf = torch.tensor([3, 1], dtype=torch.int32)
+    keeper = torch._C.ScriptList([buf])  # a C++ reference to buf that outlives any collective
+    assert buf._use_count() > 1
+    _collective.all_reduce_max(buf)  # returns after the bound, and stops waiting in this process
+    print("waiting", _collective._waiting[0], buf.tolist(), flush=True)
+    _collective.LET_GO_SECONDS = 3600.0  # were it still waiting, the next call would hang the test
+    _collective.all_reduce_max(buf)
+    print("again", buf.tolist(), _collective.all_gather_objects({"a": 1}), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_a_buffer_held_elsewhere_costs_one_bounded_wait_not_every_collective() -> None:
+    """Something else holds a collective's buffer (a profiler, a debug wrapper, another torch):
+    the wait gives up after its bound once, and the process stops waiting, so that no later
+    collective pays it (with the bound raised to an hour, a second wait would hang the test)."""
+    proc = subprocess.run([sys.executable, "-c", BOUND, str(free_port())], env=env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "waiting False [3, 1]" in proc.stdout, proc.stdout + proc.stderr
+    assert "again [3, 1] [{'a': 1}]" in proc.stdout, proc.stdout + proc.stderr
