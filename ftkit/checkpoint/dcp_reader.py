@@ -330,21 +330,15 @@ class StreamingReader(dcp.FileSystemReader):
                   for chunk in meta.chunks}
         shapes = {info.offset: chunks[key] for index, info in storage.items()
                   if info.relative_path == names[0] and (key := (index.fqn, tuple(index.offset or ()))) in chunks}
-        others = threading.Event()  # this rank's small reads of other files are done
         try:
-            read = self._early[names[0]] = _FileRead(self, names[0], spans, values, shapes, others=others)
+            read = self._early[names[0]] = _FileRead(self, names[0], spans, values, shapes)
         except CheckpointError:  # not in the manifest: read_data reports it
             return
         # the values of files other ranks read whole (DCP stores a value every rank holds in one
         # rank's file) are small reads too: read now, beside the headers, not queued behind the
-        # bulk (which waits for them: submitted after it, they waited for up to 32 MiB of it,
-        # 10-20 ms), nor through the page cache with its read-ahead as DCP's own reader would
-        try:
-            self._read_values(sorted({(info.relative_path, info.offset, info.length)
-                                      for index, info in storage.items()
-                                      if info.relative_path not in names and index.fqn not in tensors}))
-        finally:
-            others.set()
+        # bulk, nor through the page cache with its read-ahead as DCP's own reader would
+        self._read_values(sorted({(info.relative_path, info.offset, info.length) for index, info in storage.items()
+                                  if info.relative_path not in names and index.fqn not in tensors}))
         # its small reads go first, alone: this thread's Python work would hold the GIL they
         # need after each read, and a bulk read would queue them behind its pieces
         read.headers_read.wait()
@@ -557,10 +551,8 @@ class _FileRead:
     raises :class:`_GuessWrong` if one was wrong)."""
 
     def __init__(self, reader: StreamingReader, name: str, spans: list[tuple[int, int]] | None,
-                 values: Sequence[tuple[int, int]] = (), shapes: Mapping[int, Shape] | None = None, *,
-                 others: threading.Event | None = None) -> None:
+                 values: Sequence[tuple[int, int]] = (), shapes: Mapping[int, Shape] | None = None) -> None:
         self._reader, self.name, self._spans, self._values, self._shapes = reader, name, spans, values, shapes
-        self._others = others  # set once the rank's small reads of other files are done: the bulk waits for it
         self._found: dict[int, tuple[torch.Tensor, int]] = {}
         self._guessed: list[tuple[int, int]] = []  # items whose places were guessed, not read
         self._progress = _Progress()
@@ -635,24 +627,14 @@ class _FileRead:
         guess = _guess_items(view, fetch, spans, shapes, values, where) if shapes else None
         if guess is not None:
             self._found, self._guessed = guess
-            self._small_reads_done()
             fetch.done()
             self.headers_read.set()
             return dict(self._found)
         archives = _archives(view, fetch, spans, where, values)
-        self._small_reads_done()
         fetch.done()
         self.headers_read.set()
         return {start: StreamingReader._item(pickle_bytes, records, f"{where} item at byte {start}")
                 for (start, _), (pickle_bytes, records) in zip(spans, archives, strict=True)}
-
-    def _small_reads_done(self) -> None:
-        """Before the bulk read starts (:meth:`Fetch.done`): wait for the rank's small reads of
-        other files (:meth:`StreamingReader.prefetch`'s values), which would otherwise queue
-        behind it on the device."""
-        if self._others is not None:
-            self._others.wait()
-            self._others = None
 
     def _plan(self, mapping: Any, view: memoryview, fetch: Fetch) -> list[Target] | None:
         # with spans, the headers are read and parsed and the bulk streams while DCP plans
