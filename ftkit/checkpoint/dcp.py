@@ -139,7 +139,7 @@ def saved_keys(directory: Path, reader: dcp.StorageReader | None = None) -> set[
 def load_sharded(
     state: Mapping[str, Any], keys: frozenset[str], directory: Path, *,
     reader: dcp.StorageReader | None = None, agree: Callable[[BaseException | None], None] | None = None,
-    common: Callable[[list[str] | None], list[str]] | None = None,
+    common: Callable[[dict[str, str] | None, list[str]], list[str]] | None = None,
 ) -> None:
     """Load ``keys`` of ``state`` in place from ``directory/dcp``.
 
@@ -153,23 +153,28 @@ def load_sharded(
     (``dcp.FileSystemReader`` of ``directory/dcp`` when None; see
     :class:`ftkit.checkpoint.dcp_reader.StreamingReader`). ``common(found)``, with several
     ranks: called on every rank with what it found removed from its modules (None: it could
-    not tell), returns what every rank found (a layer no rank holds any more).
+    not tell; else a message for each entry of the checkpoint it found so, by the entry's name in
+    ``.metadata``) and the checkpoint's module entries (:func:`module_entries`, the same on
+    every rank), returns the messages of the entries every rank found (a layer no rank holds any
+    more).
     """
     options = StateDictOptions()
     target = live_state_dicts(state, keys, options)
     reader = reader if reader is not None else dcp.FileSystemReader(directory / DCP_DIR)
     failed: BaseException | None = None
-    removed: list[str] | None = None  # None: this rank could not tell
+    found: dict[str, str] | None = None  # None: this rank could not tell
+    entries: list[str] = []
     try:
         metadata = reader.read_metadata()
-        removed = _removed(state, target, metadata)
+        entries = module_entries(metadata)
+        found = _removed(state, target, metadata)
         _without_unsaved_moments(state, target, metadata)
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if agree is None or isinstance(failure_of(exc), (KeyboardInterrupt, SystemExit)):
             raise
         failed = exc
-    if common is not None:  # every rank, whatever it found: one collective
-        removed = common(removed)
+    # every rank, whatever it found: one collective
+    removed = common(found, entries) if common is not None else sorted((found or {}).values())
     if removed and failed is None:
         failed = CheckpointError(misfit(directory / DCP_DIR, removed))
         if agree is None:
@@ -200,22 +205,31 @@ def failure_of(exc: BaseException) -> BaseException:
     return exc
 
 
-def _removed(state: Mapping[str, Any], target: Mapping[str, Any], metadata: Any) -> list[str]:
+def module_entries(metadata: Any) -> list[str]:
+    """The entries of a DCP checkpoint's ``.metadata`` that a module's state may have saved
+    (``state[key]``'s ``name``: the two-part paths of its planner data), by their names there,
+    sorted: the same list on every rank that read the same ``.metadata``."""
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    return sorted(fqn for fqn, p in paths.items() if isinstance(p, tuple) and len(p) == 2)
+
+
+def _removed(state: Mapping[str, Any], target: Mapping[str, Any], metadata: Any) -> dict[str, str]:
     """A module's state the checkpoint has and this rank's live module not (a layer or buffer
-    removed since): DCP loads only what the live state asks for, so it would drop it unseen,
-    where a one-process checkpoint's load refuses it. A key owned by a module with its own
+    removed since), by its entry in ``.metadata`` (:func:`module_entries`), each with what to
+    say of it: DCP loads only what the live state asks for, so it would drop it unseen, where
+    a one-process checkpoint's load refuses it. A key owned by a module with its own
     ``_load_from_state_dict`` is left to it. With several ranks only a key no rank's module has
     is refused (``load_sharded``'s ``common``): a pipeline stage holds part of the model."""
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    removed = []
+    removed = {}
     for key, sd in target.items():
         live = state[key]
         if not isinstance(live, torch.nn.Module) or not isinstance(sd, Mapping):
             continue
         modules = dict(live.named_modules(remove_duplicate=False))
-        saved = {p[1] for p in paths.values() if isinstance(p, tuple) and len(p) == 2 and p[0] == key}
-        removed += [f"state[{key!r}]: {name} is in the checkpoint, not in the module (removed since?)"
-                    for name in sorted(saved - set(sd)) if loaded_by_torch(modules, name)]
+        saved = {p[1]: fqn for fqn, p in paths.items() if isinstance(p, tuple) and len(p) == 2 and p[0] == key}
+        removed.update((saved[name], f"state[{key!r}]: {name} is in the checkpoint, not in the module (removed since?)")
+                       for name in sorted(set(saved) - set(sd)) if loaded_by_torch(modules, name))
     return removed
 
 

@@ -21,6 +21,7 @@ Stages 1, 4 and 5 are the commit protocol every write path shares (:mod:`ftkit.c
 from __future__ import annotations
 
 import builtins
+import functools
 import logging
 import os
 import time
@@ -686,7 +687,9 @@ class Checkpointer(CheckpointManager):
                     load_sharded(live, keys, path, reader=reader,
                                  agree=(lambda failed: self._agree_read(failed, path / DCP_DIR))
                                  if self.comm.distributed else None,
-                                 common=self._common if self.comm.distributed else None)
+                                 common=functools.partial(self._common, by_entry=reader is not None
+                                                          and self.config.verify_on_load)
+                                 if self.comm.distributed else None)
                 else:  # a one-process checkpoint: every rank reads the full state dicts
                     load_full(live, keys, payload["state"], str(path / name))
             except BaseException as exc:  # DCP's CheckpointException is a BaseException
@@ -768,12 +771,22 @@ class Checkpointer(CheckpointManager):
             agreed.append(self.comm.first_problem(""))
         return payload
 
-    def _common(self, found: list[str] | None) -> list[str]:
-        """What every rank found (None: a rank could not tell, so nothing): one flag unless some
+    def _common(self, found: dict[str, str] | None, entries: list[str], *, by_entry: bool = False) -> list[str]:
+        """What every rank found (``found``: a message by entry of the checkpoint's ``entries``;
+        None: a rank could not tell, so nothing), one collective. ``by_entry`` (the ranks read
+        the same ``.metadata``, checked against its manifest entry before they agreed to load:
+        the same ``entries`` on every rank): one ``all_reduce`` of a flag per entry, whether some
+        rank's module holds it (a pipeline's stages each find the others' layers: a gather
+        of what each found costs several times as much over gloo). Else one flag unless some
         rank found something, then one gather."""
+        if by_entry:
+            if not entries:  # on every rank
+                return []
+            held = self.comm.most(*(0 if found is not None and e in found else 1 for e in entries))
+            return sorted(found[e] for e, h in zip(entries, held, strict=True) if not h) if found else []
         if not self.comm.anyone(bool(found)):
             return []
-        every = self.comm.gather(found)
+        every = self.comm.gather(sorted(found.values()) if found is not None else None)
         if any(f is None for f in every):
             return []
         return sorted(set.intersection(*(set(f) for f in every if f is not None)))
