@@ -1,0 +1,227 @@
+"""Where a two-rank DCP load's time goes: ftkit's load side by side with the raw read of the
+same files, and with ftkit's reader alone, each rank's steps timed.
+
+    python benchmarks/two_rank_load.py [--gb 0.25] [--rounds 15] [--dir /tmp] [--timeline]
+
+``checkpoint_speed.py``'s two-rank cell (``ftkit-dcp2``) in one process per rank (gloo on
+127.0.0.1), without the rest of its run: both ranks save the same sharded state twice (each
+rank's layers its own, so each rank reads back only its own DCP file), then, rotating, each
+after ``sync`` and dropping the page cache (root):
+
+* ``raw``: each rank reads its own files (its state file, its DCP file; rank 0 also
+  ``.metadata`` and the manifest) with ``O_DIRECT``, one 16 MiB request at a time, both ranks at
+  once: the benchmark's reference;
+* ``reader``: the same files through ftkit's reader (:func:`ftkit.checkpoint.io.reader.check_file`:
+  its staging, reads in flight and CRC-32s, nothing placed);
+* ``load``: a new manager's ``load`` of the newest checkpoint (the older one to fall back on),
+  as a requeued job's, into the live model and optimizer.
+
+Prints the median of each (the first round of each left out) and raw / each, as the goal
+(load / raw read >= 0.8) counts it. ``--timeline``: also the median start and end (ms after
+the load began) of the manager's and the DCP reader's steps on each rank, which shows what
+the load waits for (listing, manifests, the agreement, the small reads, DCP's plan, the bulk
+read, the agreement after it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+# the steps timed with --timeline: (module, attribute) of functions and methods, by label
+_STEPS = {
+    "ftkit.checkpoint.manager": ["list_step_dirs", "validate_dir", "read_state_bytes", "parse_state_file",
+                                 "Checkpointer._check_here", "Checkpointer._start_read", "Checkpointer._agree",
+                                 "Checkpointer._try_load", "Checkpointer._common", "Checkpointer._agree_read"],
+    "ftkit.checkpoint.dcp": ["live_state_dicts", "_set"],
+    "ftkit.checkpoint.dcp_reader": ["StreamingReader.prefetch", "StreamingReader.read_data"],
+}
+
+
+def _timed(record: list[tuple[str, float, float]], clock: list[float]) -> None:
+    """Wrap every step of :data:`_STEPS` to append ``(label, start, end)`` (ms after ``clock[0]``)."""
+    import importlib
+
+    for module_name, names in _STEPS.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            owner, _, attr = name.rpartition(".")
+            holder = getattr(module, owner) if owner else module
+            fn = getattr(holder, attr, None)
+            if fn is None:  # renamed since: timed no more
+                continue
+
+            def wrapper(*args, _fn=fn, _label=name, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    record.append((_label, (start - clock[0]) * 1e3, (time.perf_counter() - clock[0]) * 1e3))
+
+            setattr(holder, attr, functools.wraps(fn)(wrapper))
+    import torch.distributed.checkpoint as dcp
+
+    load = dcp.load
+
+    def dcp_load(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return load(*args, **kwargs)
+        finally:
+            record.append(("dcp.load", (start - clock[0]) * 1e3, (time.perf_counter() - clock[0]) * 1e3))
+
+    import ftkit.checkpoint.dcp as ftkit_dcp
+
+    ftkit_dcp.dcp.load = dcp_load  # type: ignore[attr-defined]
+
+
+def worker(work: Path, gb: float, rounds: int, timeline: bool) -> None:
+    import checkpoint_speed as cs
+    import torch
+    import torch.distributed as dist
+
+    from ftkit.checkpoint import CheckpointConfig, make_manager
+    from ftkit.checkpoint.io.reader import check_file
+
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(rank)
+    layers = max(1, round(gb * 1e9 / cs.BYTES_PER_LAYER / 2))
+    model = torch.nn.ModuleDict({f"r{rank}_{i}": torch.nn.Linear(cs.LAYER, cs.LAYER) for i in range(layers)})
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    state = {"model": model, "optimizer": opt}
+    cfg = CheckpointConfig(root=work / "ck", keep_last=None)
+    saver = make_manager(cfg, rank=rank, world_size=2)
+    saver.save(1, state)  # the older one to fall back on, as a job has once it saved twice
+    saver.save(2, state)
+    dist.barrier()
+    step = work / "ck" / "step-00000002"
+    manifest = json.loads((step / "manifest.json").read_text())["files"]
+    mine = [p for p in cs._files_under(step)
+            if p.name == f"rank-{rank:05d}.pt" or p.name.startswith(f"__{rank}_")
+            or (rank == 0 and not p.name.startswith(("rank-", "__")))]
+    buf = cs._huge_copy(memoryview(bytes(cs._READ_CHUNK)))
+    record: list[tuple[str, float, float]] = []
+    clock = [0.0]
+    if timeline:
+        _timed(record, clock)
+
+    def raw() -> None:
+        cs._raw_read(mine, buf)
+
+    def reader() -> None:
+        for path in mine:
+            name = str(path.relative_to(step))
+            if name in manifest:
+                check_file(path, manifest[name])
+
+    def load() -> None:
+        assert make_manager(cfg, rank=rank, world_size=2).load(state) == 2
+
+    kinds = {"raw": raw, "reader": reader, "load": load}
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    steps: list[list[tuple[str, float, float]]] = []
+    order = list(kinds)
+    for r in range(rounds * len(order)):
+        kind = order[(r + r // len(order)) % len(order)]  # rotating, each kind after each other
+        dist.barrier()
+        if rank == 0:
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("3")
+        dist.barrier()
+        time.sleep(0.3)
+        dist.barrier()
+        record.clear()
+        clock[0] = time.perf_counter()
+        kinds[kind]()
+        dist.barrier()  # both ranks done: the job goes on when the last one is
+        times[kind].append((time.perf_counter() - clock[0]) * 1e3)
+        if kind == "load":
+            steps.append(list(record))
+    (work / f"steps-{rank}.json").write_text(json.dumps(steps))
+    dist.barrier()
+    if rank == 0:
+        med = {k: statistics.median(v[1:] if len(v) > 1 else v) for k, v in times.items()}
+        size = sum(p.stat().st_size for p in cs._files_under(step))
+        print(f"two_rank_load: {gb} GB of state on two ranks ({size / 1e9:.2f} GB of files), {rounds} cold rounds "
+              "of each (the first left out), medians:")
+        for k, v in med.items():
+            print(f"  {k:7s} {v:7.1f} ms   raw / {k}: {med['raw'] / v:.3f}   "
+                  f"(every round: {' '.join(f'{x:.1f}' for x in times[k])})")
+    if timeline:
+        dist.barrier()
+        for r in range(2):
+            if r == rank:
+                _print_steps(rank, steps[1:] if len(steps) > 1 else steps)
+            dist.barrier()
+    dist.destroy_process_group()
+
+
+def _print_steps(rank: int, loads: list[list[tuple[str, float, float]]]) -> None:
+    firsts: dict[str, list[tuple[float, float, float]]] = {}
+    for rec in loads:
+        seen: dict[str, tuple[float, float, float]] = {}
+        for label, start, end in rec:
+            first = seen.get(label)
+            seen[label] = (first[0], end, first[2] + end - start) if first else (start, end, end - start)
+        for label, value in seen.items():
+            firsts.setdefault(label, []).append(value)
+    print(f"rank {rank}: step, median first start and last end (ms after the load began), time inside")
+    rows = sorted((statistics.median(v[0] for v in vals), statistics.median(v[1] for v in vals),
+                   statistics.median(v[2] for v in vals), label) for label, vals in firsts.items())
+    for start, end, inside, label in rows:
+        print(f"  {start:7.2f} {end:7.2f} {inside:7.2f}  {label}")
+    sys.stdout.flush()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gb", type=float, default=0.25, help="state size in GB (model + Adam moments, both ranks)")
+    ap.add_argument("--rounds", type=int, default=15, help="cold rounds of each kind")
+    ap.add_argument("--dir", default=None, help="where the checkpoints go (default: the temp dir)")
+    ap.add_argument("--timeline", action="store_true", help="also time the load's steps on each rank")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(Path(args.worker), args.gb, args.rounds, args.timeline)
+        return 0
+    if os.geteuid() != 0:
+        print("two_rank_load: dropping the page cache needs root", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="two-rank-load-", dir=args.dir))
+    try:
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
+        cmd = [sys.executable, __file__, "--worker", str(work), "--gb", str(args.gb), "--rounds", str(args.rounds)]
+        cmd += ["--timeline"] if args.timeline else []
+        procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r)}) for r in range(2)]
+        codes = [p.wait() for p in procs]
+        return max(codes)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
