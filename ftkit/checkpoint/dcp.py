@@ -151,7 +151,7 @@ def load_sharded(
     failed: nothing is set into the live modules and optimizers before every rank read its
     part (setting an FSDP model's state may be collective). ``reader``: the storage reader
     (``dcp.FileSystemReader`` of ``directory/dcp`` when None; see
-    :class:`ftkit.checkpoint.dcp_reader.StreamingReader`). ``common(found)``, with several
+    :class:`ftkit.checkpoint.dcp_reader.StreamingReader`). ``common(found, entries)``, with several
     ranks: called on every rank with what it found removed from its modules (None: it could
     not tell; else a message for each entry of the checkpoint it found so, by the entry's name in
     ``.metadata``) and the checkpoint's module entries (:func:`module_entries`, the same on
