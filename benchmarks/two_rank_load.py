@@ -48,6 +48,7 @@ _STEPS = {
                                  "Checkpointer._try_load", "Checkpointer._common", "Checkpointer._agree_read"],
     "ftkit.checkpoint.dcp": ["live_state_dicts", "_set"],
     "ftkit.checkpoint.dcp_reader": ["StreamingReader.prefetch", "StreamingReader.read_data"],
+    "torch.distributed.checkpoint": ["load"],  # DCP's load (its planning, then read_data)
 }
 
 
@@ -64,7 +65,9 @@ def _timed(record: list[tuple[str, float, float]], clock: list[float]) -> None:
             if fn is None:  # renamed since: timed no more
                 continue
 
-            def wrapper(*args, _fn=fn, _label=name, **kwargs):
+            label = name if module_name.startswith("ftkit") else f"dcp.{name}"
+
+            def wrapper(*args, _fn=fn, _label=label, **kwargs):
                 start = time.perf_counter()
                 try:
                     return _fn(*args, **kwargs)
@@ -72,20 +75,6 @@ def _timed(record: list[tuple[str, float, float]], clock: list[float]) -> None:
                     record.append((_label, (start - clock[0]) * 1e3, (time.perf_counter() - clock[0]) * 1e3))
 
             setattr(holder, attr, functools.wraps(fn)(wrapper))
-    import torch.distributed.checkpoint as dcp
-
-    load = dcp.load
-
-    def dcp_load(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return load(*args, **kwargs)
-        finally:
-            record.append(("dcp.load", (start - clock[0]) * 1e3, (time.perf_counter() - clock[0]) * 1e3))
-
-    import ftkit.checkpoint.dcp as ftkit_dcp
-
-    ftkit_dcp.dcp.load = dcp_load  # type: ignore[attr-defined]
 
 
 def worker(work: Path, gb: float, rounds: int, timeline: bool) -> None:
