@@ -1236,33 +1236,51 @@ def _flip_dcp_metadata(root, step, rank):
     _flip(root / f"step-{step:08d}" / "dcp" / ".metadata", 0.6)
 
 
-def _flip_in_a_dcp_pickle(root, step, values: bool) -> None:
+def _flip_in_a_dcp_pickle(root, step, values: bool, parses: bool = False) -> None:
     """The first byte of the pickle of a DCP item of ``step``: a value's (an optimizer's
     hyperparameter: parsed before the file's CRC-32 is known, and handed to DCP), else a
-    tensor's (its header, parsed to find its bytes)."""
+    tensor's (its header, parsed to find its bytes). ``parses`` (a value): the last byte of a
+    float in it instead, so that the pickle parses and says another number (handed to DCP
+    while the file streams, before its CRC-32 says it is corrupt)."""
     import io
     import pickle
+    import pickletools
     import zipfile
 
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     dcp = root / f"step-{step:08d}" / "dcp"
     metadata = pickle.loads((dcp / ".metadata").read_bytes())
-    _, info = max(((i, s) for i, s in metadata.storage_data.items()
-                       if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata) == values),
-                      key=lambda entry: entry[1].relative_path)  # rank 1's file where it has one
-    path = dcp / info.relative_path
-    data = bytearray(path.read_bytes())
-    item = data[info.offset : info.offset + info.length]
-    record = next(r for r in zipfile.ZipFile(io.BytesIO(bytes(item))).infolist() if r.filename.endswith("data.pkl"))
-    h = record.header_offset
-    start = h + 30 + int.from_bytes(item[h + 26 : h + 28], "little") + int.from_bytes(item[h + 28 : h + 30], "little")
-    data[info.offset + start] ^= 0x10  # its first opcode: the pickle does not parse
+    items = sorted(((i, s) for i, s in metadata.storage_data.items()
+                    if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata) == values),
+                   key=lambda entry: (entry[1].relative_path, entry[1].offset), reverse=True)  # rank 1's file first
+    for _, info in items:
+        path = dcp / info.relative_path
+        data = bytearray(path.read_bytes())
+        item = data[info.offset : info.offset + info.length]
+        record = next(r for r in zipfile.ZipFile(io.BytesIO(bytes(item))).infolist()
+                      if r.filename.endswith("data.pkl"))
+        h = record.header_offset
+        start = h + 30 + int.from_bytes(item[h + 26 : h + 28], "little") + int.from_bytes(item[h + 28 : h + 30], "little")
+        if not parses:
+            data[info.offset + start] ^= 0x10  # its first opcode: the pickle does not parse
+            break
+        floats = [pos for op, _, pos in pickletools.genops(bytes(item[start : start + record.compress_size]))
+                  if op.name == "BINFLOAT"]
+        if floats:
+            data[info.offset + start + floats[0] + 8] ^= 0x01  # the lowest bit of its mantissa
+            break
+    else:
+        raise AssertionError(f"no value of {dcp} holds a float")
     path.write_bytes(bytes(data))
 
 
 def _flip_dcp_value_pickle(root, step, rank):
     _flip_in_a_dcp_pickle(root, step, values=True)
+
+
+def _flip_dcp_value_float(root, step, rank):
+    _flip_in_a_dcp_pickle(root, step, values=True, parses=True)
 
 
 def _flip_dcp_tensor_pickle(root, step, rank):
@@ -1272,9 +1290,11 @@ def _flip_dcp_tensor_pickle(root, step, rank):
 @pytest.mark.parametrize(
     "worlds,corrupt",
     [((1, 1), _flip_rank_file), ((2, 2), _flip_rank_file), ((2, 2), _flip_dcp_file), ((2, 2), _flip_dcp_metadata),
-     ((2, 2), _flip_dcp_value_pickle), ((2, 2), _flip_dcp_tensor_pickle), ((1, 2), _flip_rank_file)],
+     ((2, 2), _flip_dcp_value_pickle), ((2, 2), _flip_dcp_value_float), ((2, 2), _flip_dcp_tensor_pickle),
+     ((1, 2), _flip_rank_file)],
     ids=["one-rank", "two-ranks-rank1-state-file", "two-ranks-dcp-file", "two-ranks-dcp-metadata",
-         "two-ranks-dcp-value-pickle", "two-ranks-dcp-tensor-pickle", "one-process-file-on-two-ranks"],
+         "two-ranks-dcp-value-pickle", "two-ranks-dcp-value-that-parses", "two-ranks-dcp-tensor-pickle",
+         "one-process-file-on-two-ranks"],
 )
 def test_resume_past_a_corrupt_newest_is_bit_identical_to_resuming_the_older(tmp_path, trained, worlds, corrupt):
     """A real trainer (dropout, sampler, Adam, StepLR; DDP + DCP with two ranks) checkpoints at
