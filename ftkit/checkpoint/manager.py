@@ -340,8 +340,6 @@ class Checkpointer(CheckpointManager):
             for optimizer in fresh:
                 optimizer.state.clear()
             raise
-        finally:  # after the load: its cold reads of every step directory are off a resume's path
-            self.commits.note_leftovers()
 
     def _load(self, state: Mapping[str, Any], step: int | None, began: float) -> int | None:
         """``load``'s candidates, newest first: each validated, agreed on and loaded, or skipped."""

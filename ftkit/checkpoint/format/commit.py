@@ -330,7 +330,9 @@ class Committer:
 
     # ------------------------------------------------------------------ retention
     def note_leftovers(self) -> None:
-        """Once, on rank 0: the incomplete directories an earlier run left are known dead."""
+        """Once, on rank 0: the incomplete directories an earlier run left are known dead.
+        Before this run's first save or retention (not in ``load``: its cold reads of every step
+        directory would be on a resume's path, and the other ranks would wait for rank 0)."""
         if self._looked or self.rank != 0:
             return
         self._looked = True
@@ -349,6 +351,7 @@ class Committer:
         """Delete what the retention policy says (rank 0 only); returns the deleted paths."""
         if self.rank != 0:
             return []
+        self.note_leftovers()
         return [info.path for info in self._retain()]
 
     def _retain(self, spare: Callable[[CheckpointInfo], bool] | None = None) -> builtins.list[CheckpointInfo]:
