@@ -65,9 +65,11 @@ class Comm:
         all_reduce_max(flags, self.pg)
         return tuple(int(v) for v in flags.tolist())
 
-    def first_problem(self, problem: str | None) -> str:
-        """The lowest rank's problem, the same on every rank ("" when no rank has one)."""
-        if not self.anyone(bool(problem)):
+    def first_problem(self, problem: str | None, *, flagged: bool | None = None) -> str:
+        """The lowest rank's problem, the same on every rank ("" when no rank has one).
+        ``flagged``: whether any rank has one, where a collective (:meth:`most`) said so
+        already; else one ``all_reduce`` asks."""
+        if not (self.anyone(bool(problem)) if flagged is None else flagged):
             return ""
         return next(p for p in self.gather(problem or "") if p)
 

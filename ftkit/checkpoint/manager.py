@@ -362,8 +362,27 @@ class Checkpointer(CheckpointManager):
             # node an older checkpoint late; ``damaged`` is the same on every rank, see below)
             needed = info.valid and (not direct if is_dcp(info.files) else self.comm.distributed)
             fit = _fit(state, self.world_size) if needed else _UNKNOWN
-            level, alone = self.comm.most(fit, not direct)
+            # a rank with an older checkpoint reads this one straight in, as every rank does when
+            # every rank has one (nearly always): it checks its part and starts reading before
+            # that collective, which then also says whether any rank found a problem (one
+            # collective where two were, and its small reads overlap it). Nothing of the read
+            # reaches the live state before the ranks agree (``_start_read``)
+            early: _EarlyRead | None = None
+            ahead = ""  # this rank's problem, found ahead of the collective
+            try:
+                if direct:
+                    ahead = self._check_here(path, info, streamed=True)
+                    early = self._start_read(path, info) if not ahead else None
+                    ahead = ahead or self._early_problem(state, path, early)
+                level, alone, flagged = self.comm.most(fit, not direct, bool(ahead))
+            except BaseException:
+                if early is not None:
+                    early.close()
+                raise
             direct, clean = not alone, damaged is None
+            if early is not None and not direct:  # some rank has no older checkpoint: read as the others do
+                early.close()
+                early = None
             # else (the only checkpoint, or the step asked for) straight in too where the reader
             # can undo it (a state file): what it overwrites is set aside on the way and put back
             # if the file turns out corrupt (a fresh start follows, or an error)
@@ -392,15 +411,17 @@ class Checkpointer(CheckpointManager):
             checked = checked or first
             guarded = guarded and not first and (whole or not self.comm.distributed)
             self._written = {}  # what this candidate's _try_load reads into, if it runs
-            problem = self._check_here(path, info, streamed=direct or aside, whole=first)
-            early = (self._start_read(path, info, cached=checked)
-                     if (direct or checked or aside) and not problem else None)
+            if not direct:
+                problem = self._check_here(path, info, streamed=aside, whole=first)
+                early = (self._start_read(path, info, cached=checked)
+                         if (checked or aside) and not problem else None)
             kept: SetAside | None = None
             ran = False  # the read began, on every rank (the problems before it agreed on)
             try:
-                refused = (self._refusal(state, early.available, path, early.payload.get("state"))
-                           if early is not None and not early.problem else "")
-                problem = self._agree(problem or (early.problem if early is not None else "") or refused)
+                if direct:  # whether any rank has a problem: said by the collective above
+                    problem = self._agree(ahead, flagged=bool(flagged))
+                else:
+                    problem = self._agree(problem or self._early_problem(state, path, early))
                 found = time.monotonic()
                 try:
                     if problem.startswith(_REFUSED):  # a key some rank's state has and the checkpoint not
@@ -509,9 +530,17 @@ class Checkpointer(CheckpointManager):
             mine.append(self._state_file(info, path)[0])
         return verify_files(path, info.files, mine, cache=True)
 
-    def _agree(self, problem: str) -> str:
-        """The first rank's problem with the checkpoint, the same on every rank."""
-        return self.comm.first_problem(problem)
+    def _agree(self, problem: str, flagged: bool | None = None) -> str:
+        """The first rank's problem with the checkpoint, the same on every rank (``flagged``:
+        whether any rank has one, where a collective said so already)."""
+        return self.comm.first_problem(problem, flagged=flagged)
+
+    def _early_problem(self, state: Mapping[str, Any], path: Path, early: _EarlyRead | None) -> str:
+        """This rank's problem with ``early`` (:meth:`_start_read`): its read's, else its
+        refusal of the keys it found; "" with no early read."""
+        if early is None:
+            return ""
+        return early.problem or self._refusal(state, early.available, path, early.payload.get("state"))
 
     def _state_file(self, info: CheckpointInfo, path: Path) -> tuple[str, bool]:
         """The state file this rank loads, and whether it is its own (else rank 0's)."""
