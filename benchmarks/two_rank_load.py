@@ -20,7 +20,12 @@ Prints the median of each (the first round of each left out) and raw / each, as 
 (load / raw read >= 0.8) counts it. ``--timeline``: also the median start and end (ms after
 the load began) of the manager's and the DCP reader's steps on each rank, which shows what
 the load waits for (listing, manifests, the agreement, the small reads, DCP's plan, the bulk
-read, the agreement after it).
+read, the agreement after it), and the all-reduces (``dist.all_reduce``: how many, and how
+long each took after the last rank reached it). ``--device``: also what the disk did in
+each kind's rounds, from the kernel's block-layer trace (tracefs, root): when the first read
+and the first bulk read (1 MiB or more) went to the device, when the last one completed, how
+long the device had a read in flight and at what rate, where it had none (gaps over 0.15 ms
+inside the reads), and how long the round went on after its last read.
 """
 
 from __future__ import annotations
@@ -49,7 +54,10 @@ _STEPS = {
     "ftkit.checkpoint.dcp": ["live_state_dicts", "_set"],
     "ftkit.checkpoint.dcp_reader": ["StreamingReader.prefetch", "StreamingReader.read_data"],
     "torch.distributed.checkpoint": ["load"],  # DCP's load (its planning, then read_data)
+    "torch.distributed": ["all_reduce"],  # ftkit's agreements (its _collective calls it by name)
 }
+_TRACE = Path("/sys/kernel/tracing")
+_BLOCK_EVENTS = ("block_rq_issue", "block_rq_complete")
 
 
 def _timed(record: list[tuple[str, float, float]], clock: list[float]) -> None:
@@ -65,7 +73,8 @@ def _timed(record: list[tuple[str, float, float]], clock: list[float]) -> None:
             if fn is None:  # renamed since: timed no more
                 continue
 
-            label = name if module_name.startswith("ftkit") else f"dcp.{name}"
+            label = name if module_name.startswith("ftkit") else (
+                f"dist.{name}" if module_name == "torch.distributed" else f"dcp.{name}")
 
             def wrapper(*args, _fn=fn, _label=label, **kwargs):
                 start = time.perf_counter()
@@ -77,7 +86,76 @@ def _timed(record: list[tuple[str, float, float]], clock: list[float]) -> None:
             setattr(holder, attr, functools.wraps(fn)(wrapper))
 
 
-def worker(work: Path, gb: float, rounds: int, timeline: bool) -> None:
+def _trace(on: bool) -> None:
+    """Start (clearing what is there) or stop tracing the block layer's reads, on the clock
+    ``time.perf_counter`` reads (CLOCK_MONOTONIC)."""
+    if on:
+        if not (_TRACE / "trace").exists():
+            subprocess.run(["mount", "-t", "tracefs", "nodev", str(_TRACE)], check=True)
+        (_TRACE / "tracing_on").write_text("0")
+        (_TRACE / "buffer_size_kb").write_text("65536")
+        (_TRACE / "trace_clock").write_text("mono")
+        (_TRACE / "trace").write_text("")
+    for event in _BLOCK_EVENTS:
+        (_TRACE / "events" / "block" / event / "enable").write_text("1" if on else "0")
+    (_TRACE / "tracing_on").write_text("1" if on else "0")
+
+
+def _device_report(windows: dict[str, list[tuple[float, float]]]) -> None:
+    """What the device did in each round (``windows``: each kind's rounds, start and end in
+    ``perf_counter`` seconds), from the block-layer trace: medians over each kind's rounds
+    (the first left out), and each round's idle gaps."""
+    import re
+
+    pattern = re.compile(r"\s([\d.]+): block_rq_(issue|complete): \S+ (\S+) (?:\d+ )?\(\) (\d+) \+ (\d+)")
+    events = []
+    for line in (_TRACE / "trace").read_text().splitlines():
+        m = pattern.search(line)
+        if m and m.group(3).startswith("R"):  # reads (RA, RS, RM, ...)
+            events.append((float(m.group(1)), m.group(2), int(m.group(4)), int(m.group(5)) * 512))
+    events.sort()
+    print("device (block-layer trace): medians of each kind's rounds, ms after the round began")
+    for kind, spans in windows.items():
+        rows, gaps_of = [], []
+        for lo, hi in spans[1:] if len(spans) > 1 else spans:
+            inflight: dict[int, int] = {}
+            busy = done = 0.0
+            last = idle_since = lo
+            first = big = end = None
+            gaps = []
+            for t, what, sector, size in (e for e in events if lo <= e[0] <= hi):
+                if inflight:
+                    busy += t - last
+                last = t
+                if what == "issue":
+                    if not inflight and first is not None and t - idle_since > 0.00015:
+                        gaps.append(((idle_since - lo) * 1e3, (t - idle_since) * 1e3))
+                    first = t if first is None else first
+                    big = t if big is None and size >= 1 << 20 else big
+                    inflight[sector] = size
+                else:
+                    inflight.pop(sector, None)
+                    done += size
+                    end = t
+                    if not inflight:
+                        idle_since = t
+            if first is None or end is None or busy <= 0:
+                continue
+            rows.append(((first - lo) * 1e3, ((big or first) - lo) * 1e3, (end - lo) * 1e3, busy * 1e3,
+                         done / 1e9 / busy, (end - first) * 1e3 - busy * 1e3, (hi - end) * 1e3))
+            gaps_of.append(gaps)
+        if not rows:
+            continue
+        med = [statistics.median(r[k] for r in rows) for k in range(7)]
+        print(f"  {kind:7s} first read {med[0]:5.1f}, first bulk read {med[1]:5.1f}, last done {med[2]:5.1f}; "
+              f"device busy {med[3]:5.1f} ms at {med[4]:.2f} GB/s, idle inside {med[5]:4.1f} ms, "
+              f"the round {med[6]:4.1f} ms after its last read")
+        if kind == "load":
+            for gaps in gaps_of:
+                print("          idle (at: ms) " + " ".join(f"{a:.1f}:{b:.2f}" for a, b in gaps))
+
+
+def worker(work: Path, gb: float, rounds: int, timeline: bool, device: bool = False) -> None:
     import checkpoint_speed as cs
     import torch
     import torch.distributed as dist
@@ -126,8 +204,11 @@ def worker(work: Path, gb: float, rounds: int, timeline: bool) -> None:
 
     kinds = {"raw": raw, "reader": reader, "load": load}
     times: dict[str, list[float]] = {k: [] for k in kinds}
+    windows: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}  # perf_counter s
     steps: list[list[tuple[str, float, float]]] = []
     order = list(kinds)
+    if device and rank == 0:
+        _trace(True)
     for r in range(rounds * len(order)):
         kind = order[(r + r // len(order)) % len(order)]  # rotating, each kind after each other
         dist.barrier()
@@ -142,8 +223,11 @@ def worker(work: Path, gb: float, rounds: int, timeline: bool) -> None:
         kinds[kind]()
         dist.barrier()  # both ranks done: the job goes on when the last one is
         times[kind].append((time.perf_counter() - clock[0]) * 1e3)
+        windows[kind].append((clock[0], time.perf_counter()))
         if kind == "load":
             steps.append(list(record))
+    if device and rank == 0:
+        _trace(False)
     (work / f"steps-{rank}.json").write_text(json.dumps(steps))
     dist.barrier()
     if rank == 0:
@@ -154,12 +238,15 @@ def worker(work: Path, gb: float, rounds: int, timeline: bool) -> None:
         for k, v in med.items():
             print(f"  {k:7s} {v:7.1f} ms   raw / {k}: {med['raw'] / v:.3f}   "
                   f"(every round: {' '.join(f'{x:.1f}' for x in times[k])})")
+        if device:
+            _device_report(windows)
     if timeline:
         dist.barrier()
         for r in range(2):
             if r == rank:
                 _print_steps(rank, steps[1:] if len(steps) > 1 else steps)
             dist.barrier()
+        _print_all_reduces(rank, steps[1:] if len(steps) > 1 else steps, work)
     dist.destroy_process_group()
 
 
@@ -180,6 +267,24 @@ def _print_steps(rank: int, loads: list[list[tuple[str, float, float]]]) -> None
     sys.stdout.flush()
 
 
+def _print_all_reduces(rank: int, loads: list[list[tuple[str, float, float]]], work: Path) -> None:
+    """Each load's all-reduces, both ranks side by side: how long each took after the last
+    rank reached it (the ranks' clocks start at the same barrier)."""
+    import torch.distributed as dist
+
+    mine = [sorted((a, b) for label, a, b in rec if label == "dist.all_reduce") for rec in loads]
+    (work / f"reduces-{rank}.json").write_text(json.dumps(mine))
+    dist.barrier()
+    if rank != 0:
+        return
+    other = json.loads((work / "reduces-1.json").read_text())
+    after = [max(x[1], y[1]) - max(x[0], y[0]) for a, b in zip(mine, other, strict=True) for x, y in zip(a, b, strict=True)]
+    if after:
+        per_load = statistics.median(len(a) for a in mine)
+        print(f"all-reduces: {per_load:g} per load; after the last rank reached one: median {statistics.median(after):.2f} "
+              f"ms, mean {statistics.mean(after):.2f} ms, over 3 ms in {sum(x > 3 for x in after)} of {len(after)}")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -192,10 +297,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=15, help="cold rounds of each kind")
     ap.add_argument("--dir", default=None, help="where the checkpoints go (default: the temp dir)")
     ap.add_argument("--timeline", action="store_true", help="also time the load's steps on each rank")
+    ap.add_argument("--device", action="store_true", help="also trace the device's reads (block layer, tracefs)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(Path(args.worker), args.gb, args.rounds, args.timeline)
+        worker(Path(args.worker), args.gb, args.rounds, args.timeline, args.device)
         return 0
     if os.geteuid() != 0:
         print("two_rank_load: dropping the page cache needs root", file=sys.stderr)
@@ -205,6 +311,7 @@ def main() -> int:
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
         cmd = [sys.executable, __file__, "--worker", str(work), "--gb", str(args.gb), "--rounds", str(args.rounds)]
         cmd += ["--timeline"] if args.timeline else []
+        cmd += ["--device"] if args.device else []
         procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r)}) for r in range(2)]
         codes = [p.wait() for p in procs]
         return max(codes)
