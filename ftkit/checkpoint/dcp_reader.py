@@ -542,7 +542,7 @@ def _handed(planner: LoadPlanner, item: Any, value: memoryview) -> bytes | None:
     got = bytes(value)
     try:
         planner.load_bytes(item, io.BytesIO(got))
-    except Exception:
+    except Exception:  # not swallowed: handed again once the file is checked, raising there if it is whole
         return None
     return got
 
