@@ -38,13 +38,28 @@ PROGRAM = textwrap.dedent("""
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     state = {"model": model, "optimizer": opt}
     mgr = make_manager(CheckpointConfig(root=root, verify_on_load=verify), rank=rank, world_size=world)
-    if phase == "save":
+    if phase == "save" and how.startswith("requeue"):  # two checkpoints: the newest has one to fall back on
+        for step in (1, 2):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            mgr.save(step, state)
+        if rank == 0:
+            torch.save({"opt": opt.state_dict(), "model": model.state_dict()}, f"{root}/expected.pt")
+    elif phase == "save":
         model(torch.randn(3, 4)).sum().backward()
         opt.step()
         mgr.save(1, state)
         if rank == 0 or how == "stages":
             torch.save({"opt": opt.state_dict(), "model": model.state_dict()},
                        f"{root}/expected{rank if how == 'stages' else ''}.pt")
+    elif how == "requeue-broken":  # every checkpoint skipped: the fresh optimizer as the script made it
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        assert mgr.load(state) is None
+        assert opt.state_dict()["state"] == {}, opt.state_dict()["state"]
+        assert all(p.grad is None for p in model.parameters())
+        assert [g["lr"] for g in opt.param_groups] == [0.1]
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+        print("as built", rank, flush=True)
     elif how.endswith("removed"):
         before = {k: v.clone() for k, v in model.state_dict().items()}
         try:
@@ -54,7 +69,7 @@ PROGRAM = textwrap.dedent("""
         assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
         assert opt.state_dict()["state"] == {}
     else:
-        assert mgr.load(state) == 1
+        assert mgr.load(state) == (2 if how == "requeue" else 1)
         expected = torch.load(f"{root}/expected{rank if how == 'stages' else ''}.pt")
         got = opt.state_dict()
         assert sorted(got["state"]) == sorted(expected["opt"]["state"]), sorted(got["state"])
@@ -128,3 +143,22 @@ def test_a_layer_removed_from_every_pipeline_stage_is_refused_not_the_other_stag
         assert "CheckpointError" in said and "step-00000001/dcp" in said, said
         assert "state['model']: aux.weight is in the checkpoint, not in the module (removed since?)" in said, said
         assert "aux.bias" in said and "stage" not in said, said
+
+
+def test_a_requeued_jobs_fresh_optimizer_resumes_exactly_and_is_left_as_built_when_nothing_loads(tmp_path: Path) -> None:
+    """A requeued job's optimizer has no state: its moments are made on a thread while the
+    load finds and starts reading the newest checkpoint (it has an older one). The resume is
+    exact; where every checkpoint is then skipped (each rank's state file corrupt, found as it
+    is read), the optimizer is left as the script made it: no state, no gradients, its
+    learning rate."""
+    _ranks(tmp_path, 2, "save", "requeue")
+    outs = _ranks(tmp_path, 2, "load", "requeue")
+    assert all(f"exact {r}" in out for r, out in enumerate(outs))
+    for step in (1, 2):
+        for rank in range(2):
+            path = tmp_path / f"step-{step:08d}" / f"rank-{rank:05d}.pt"
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+    outs = _ranks(tmp_path, 2, "load", "requeue-broken")
+    assert all(f"as built {r}" in out for r, out in enumerate(outs)), outs
