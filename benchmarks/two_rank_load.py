@@ -1,7 +1,7 @@
 """Where a two-rank DCP load's time goes: ftkit's load side by side with the raw read of the
 same files, and with ftkit's reader alone, each rank's steps timed.
 
-    python benchmarks/two_rank_load.py [--gb 0.25] [--rounds 15] [--dir /tmp] [--timeline]
+    python benchmarks/two_rank_load.py [--gb 0.25] [--rounds 15] [--dir /tmp] [--timeline] [--fresh 5]
 
 ``checkpoint_speed.py``'s two-rank cell (``ftkit-dcp2``) in one process per rank (gloo on
 127.0.0.1), without the rest of its run: both ranks save the same sharded state twice (each
@@ -26,6 +26,14 @@ each kind's rounds, from the kernel's block-layer trace (tracefs, root): when th
 and the first bulk read (1 MiB or more) went to the device, when the last one completed, how
 long the device had a read in flight and at what rate, where it had none (gaps over 0.15 ms
 inside the reads), and how long the round went on after its last read.
+
+``--fresh N``: then N loads as a requeued job makes them, each by a new pair of processes
+(two new ranks, a new model and a fresh Adam: no moments until the load), side by side with
+the raw read of the same files by the same processes (each after dropping the page cache,
+the raw read first: its buffer is its own). A requeued job's load is the first of its
+process: the memory it reads through (staging, the optimizer's moments) is fresh, where
+the rounds above reuse what the first one faulted in. With ``--timeline``, these loads'
+steps too.
 """
 
 from __future__ import annotations
@@ -153,6 +161,60 @@ def _device_report(windows: dict[str, list[tuple[float, float]]]) -> None:
         if kind == "load":
             for gaps in gaps_of:
                 print("          idle (at: ms) " + " ".join(f"{a:.1f}:{b:.2f}" for a, b in gaps))
+
+
+def fresh_worker(work: Path, gb: float, timeline: bool) -> None:
+    """One requeued job's load (``--fresh``): a new model and a fresh Adam on each rank, the
+    raw read of this rank's files and then the load, each cold, both ranks at once. Rank 0
+    appends ``[raw ms, load ms]`` to ``work/fresh.json``; with ``timeline``, each rank its
+    load's steps to ``work/fresh-steps-RANK.json``."""
+    import checkpoint_speed as cs
+    import torch
+    import torch.distributed as dist
+
+    from ftkit.checkpoint import CheckpointConfig, make_manager
+
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(rank)
+    layers = max(1, round(gb * 1e9 / cs.BYTES_PER_LAYER / 2))
+    model = torch.nn.ModuleDict({f"r{rank}_{i}": torch.nn.Linear(cs.LAYER, cs.LAYER) for i in range(layers)})
+    state = {"model": model, "optimizer": torch.optim.Adam(model.parameters(), lr=1e-4)}
+    cfg = CheckpointConfig(root=work / "ck", keep_last=None)
+    step = work / "ck" / "step-00000002"
+    mine = [p for p in cs._files_under(step)
+            if p.name == f"rank-{rank:05d}.pt" or p.name.startswith(f"__{rank}_")
+            or (rank == 0 and not p.name.startswith(("rank-", "__")))]
+    buf = cs._huge_copy(memoryview(bytes(cs._READ_CHUNK)))
+    record: list[tuple[str, float, float]] = []
+    clock = [0.0]
+    if timeline:
+        _timed(record, clock)
+    took = []
+    for kind in ("raw", "load"):
+        dist.barrier()
+        if rank == 0:
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("3")
+        dist.barrier()
+        time.sleep(0.3)
+        dist.barrier()
+        record.clear()
+        start = clock[0] = time.perf_counter()
+        if kind == "raw":
+            cs._raw_read(mine, buf)
+        else:
+            assert make_manager(cfg, rank=rank, world_size=2).load(state) == 2
+        dist.barrier()
+        took.append((time.perf_counter() - start) * 1e3)
+    if timeline:
+        steps = work / f"fresh-steps-{rank}.json"
+        steps.write_text(json.dumps([*(json.loads(steps.read_text()) if steps.exists() else []), record]))
+    if rank == 0:
+        runs = json.loads((work / "fresh.json").read_text()) if (work / "fresh.json").exists() else []
+        (work / "fresh.json").write_text(json.dumps([*runs, took]))
+    dist.destroy_process_group()
 
 
 def worker(work: Path, gb: float, rounds: int, timeline: bool, device: bool = False) -> None:
@@ -298,10 +360,16 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="where the checkpoints go (default: the temp dir)")
     ap.add_argument("--timeline", action="store_true", help="also time the load's steps on each rank")
     ap.add_argument("--device", action="store_true", help="also trace the device's reads (block layer, tracefs)")
+    ap.add_argument("--fresh", type=int, default=0, metavar="N",
+                    help="then N loads as a requeued job makes them: each by a new pair of processes")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--fresh-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(Path(args.worker), args.gb, args.rounds, args.timeline, args.device)
+        return 0
+    if args.fresh_worker:
+        fresh_worker(Path(args.fresh_worker), args.gb, args.timeline)
         return 0
     if os.geteuid() != 0:
         print("two_rank_load: dropping the page cache needs root", file=sys.stderr)
@@ -313,8 +381,24 @@ def main() -> int:
         cmd += ["--timeline"] if args.timeline else []
         cmd += ["--device"] if args.device else []
         procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r)}) for r in range(2)]
-        codes = [p.wait() for p in procs]
-        return max(codes)
+        code = max(p.wait() for p in procs)
+        for _ in range(args.fresh if code == 0 else 0):
+            env["MASTER_PORT"] = str(_free_port())
+            cmd = [sys.executable, __file__, "--fresh-worker", str(work), "--gb", str(args.gb)]
+            cmd += ["--timeline"] if args.timeline else []
+            procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r)}) for r in range(2)]
+            code = max(p.wait() for p in procs)
+            if code:
+                return code
+        if args.fresh and code == 0:
+            runs = json.loads((work / "fresh.json").read_text())
+            raw, load = (statistics.median(r[k] for r in runs) for k in (0, 1))
+            print(f"two_rank_load --fresh: {len(runs)} loads as a requeued job makes them (new processes, a fresh "
+                  f"Adam), medians: raw {raw:.1f} ms, load {load:.1f} ms, raw / load: {raw / load:.3f}   "
+                  f"(every one, raw/load ms: {' '.join(f'{a:.1f}/{b:.1f}' for a, b in runs)})")
+            for r in range(2) if args.timeline else ():
+                _print_steps(r, json.loads((work / f"fresh-steps-{r}.json").read_text()))
+        return code
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
