@@ -59,7 +59,7 @@ _STEPS = {
     "ftkit.checkpoint.manager": ["list_step_dirs", "validate_dir", "read_state_bytes", "parse_state_file",
                                  "Checkpointer._check_here", "Checkpointer._start_read", "Checkpointer._agree",
                                  "Checkpointer._try_load", "Checkpointer._common", "Checkpointer._agree_read"],
-    "ftkit.checkpoint.dcp": ["live_state_dicts", "_set"],
+    "ftkit.checkpoint.dcp": ["fresh_state", "live_state_dicts", "_set"],
     "ftkit.checkpoint.dcp_reader": ["StreamingReader.prefetch", "StreamingReader.read_data"],
     "torch.distributed.checkpoint": ["load"],  # DCP's load (its planning, then read_data)
     "torch.distributed": ["all_reduce"],  # ftkit's agreements (its _collective calls it by name)

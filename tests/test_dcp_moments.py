@@ -52,7 +52,7 @@ PROGRAM = textwrap.dedent("""
         if rank == 0 or how == "stages":
             torch.save({"opt": opt.state_dict(), "model": model.state_dict()},
                        f"{root}/expected{rank if how == 'stages' else ''}.pt")
-    elif how == "requeue-broken":  # every checkpoint skipped: the fresh optimizer as the script made it
+    elif how.endswith("broken"):  # every checkpoint skipped: the fresh optimizer as the script made it
         before = {k: v.clone() for k, v in model.state_dict().items()}
         assert mgr.load(state) is None
         assert opt.state_dict()["state"] == {}, opt.state_dict()["state"]
@@ -161,4 +161,81 @@ def test_a_requeued_jobs_fresh_optimizer_resumes_exactly_and_is_left_as_built_wh
             data[len(data) // 2] ^= 0xFF
             path.write_bytes(bytes(data))
     outs = _ranks(tmp_path, 2, "load", "requeue-broken")
+    assert all(f"as built {r}" in out for r, out in enumerate(outs)), outs
+
+
+_OPTIMIZERS = [("Adam", {}), ("AdamW", {"amsgrad": True}), ("SGD", {"momentum": 0.9}), ("SGD", {}),
+               ("RMSprop", {"momentum": 0.5, "centered": True}), ("NAdam", {}), ("ASGD", {}), ("Adafactor", {}),
+               ("Adam", {"foreach": True})]
+
+
+@pytest.mark.parametrize(("name", "settings"), _OPTIMIZERS, ids=[f"{n}{s or ''}" for n, s in _OPTIMIZERS])
+def test_a_fresh_optimizers_state_is_laid_out_as_dcps_own_step_makes_it_without_stepping_it(
+        name: str, settings: dict) -> None:
+    """A requeued job's optimizer has no state; DCP's ``get_optimizer_state_dict`` makes it by
+    stepping it over every parameter. ``fresh_state`` lays out the same state (keys, shapes,
+    strides, dtypes, devices, plain values) from one step of a copy over a stand-in per kind
+    of parameter: the live parameters, their gradients and the optimizer's own step hooks
+    are not touched. An optimizer that makes state in its constructor (Adagrad) is left to DCP."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    from ftkit.checkpoint.dcp import fresh_state
+
+    cls = getattr(torch.optim, name, None)
+    if cls is None:
+        pytest.skip(f"torch {torch.__version__} has no torch.optim.{name}")
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+        model[1].weight.requires_grad_(False)  # frozen: no state
+        groups = [{"params": [model[0].weight, model[2].weight]},
+                  {"params": [model[0].bias, model[1].weight, model[1].bias, model[2].bias], "weight_decay": 0.0}]
+        return model, cls(groups, lr=0.1, **settings)
+
+    (_, theirs), (model, mine) = build(), build()
+    before = [p.detach().clone() for p in model.parameters()]
+    steps = []
+    mine.register_step_pre_hook(lambda *_: steps.append(1))
+    _init_optim_state(theirs)
+    assert fresh_state(mine)
+    assert not steps
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert [g["lr"] for g in mine.param_groups] == [0.1, 0.1]
+    pairs = zip((p for g in theirs.param_groups for p in g["params"]),
+                (p for g in mine.param_groups for p in g["params"]), strict=True)
+    for a, b in pairs:
+        expected, got = theirs.state.get(a, {}), mine.state.get(b, {})
+        assert sorted(got) == sorted(expected)
+        for key, value in expected.items():
+            if isinstance(value, torch.Tensor):
+                laid = got[key]
+                assert (laid.shape, laid.stride(), laid.dtype, laid.device) == \
+                    (value.shape, value.stride(), value.dtype, value.device), key
+                assert laid.data_ptr() not in {p.data_ptr() for p in model.parameters()}
+            else:
+                assert got[key] == value, key
+    assert not mine.state or not fresh_state(mine)  # it has state now: left as it is (SGD without momentum has none)
+
+    adagrad = torch.optim.Adagrad(torch.nn.Linear(2, 2).parameters())  # state from its constructor
+    made = {id(p): dict(s) for p, s in adagrad.state.items()}
+    assert not fresh_state(adagrad)
+    assert {id(p): dict(s) for p, s in adagrad.state.items()} == made
+
+
+def test_a_fresh_optimizer_is_left_as_built_when_its_only_checkpoint_turns_out_corrupt_during_the_read(
+        tmp_path: Path) -> None:
+    """The job's only checkpoint, each rank's modules and optimizers in host memory: read in one
+    pass, what it writes over set aside and put back when a file turns out corrupt. A fresh
+    optimizer's state is laid out for that read (``fresh_state``), not computed; the run then
+    starts fresh (nothing older), and the optimizer is as the script made it: no state (not the
+    laid-out memory, nor what the read put there), the parameters as built."""
+    _ranks(tmp_path, 2, "save", "only-broken")
+    path = tmp_path / "step-00000001" / "dcp" / "__1_0.distcp"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    outs = _ranks(tmp_path, 2, "load", "only-broken")
     assert all(f"as built {r}" in out for r, out in enumerate(outs)), outs

@@ -21,6 +21,7 @@ bytes reached the disk intact; the fsync of DCP's writer (``sync_files=True``) c
 
 from __future__ import annotations
 
+import copy as _copy
 import dataclasses
 import os
 import warnings
@@ -86,6 +87,90 @@ def live_state_dicts(
         else:
             out[key] = get_optimizer_state_dict(_owner(state, key, value), value, options=options)
     return out
+
+
+_SIZES = (2, 3, 5, 7, 11, 13, 17, 19)  # a stand-in's sizes by dimension: a state tensor shaped as it is the parameter's
+
+
+def fresh_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Give ``optimizer``, which has no state yet (a requeued job's, before its first step),
+    state to load a DCP checkpoint into. DCP's ``get_optimizer_state_dict`` makes it by stepping
+    the optimizer once with zero gradients and a learning rate of 0: over every parameter,
+    into gradients and moments of fresh memory, all of it written (on the 2-CPU VM 115-121 ms
+    of a two-rank 0.25 GB requeue's ~260 ms load). Here a copy of the optimizer (its class,
+    its param groups' settings) steps once over a small zero stand-in per kind of parameter
+    (param group, number of dimensions, dtype, device, whether it requires grad; sizes 2, 3,
+    5, ...), and each parameter gets its kind's state laid out in memory of its own, not
+    written: a state tensor shaped as the stand-in is shaped as the parameter (and strided as
+    it, as ``zeros_like`` makes it), a 0-d one stays 0-d; where a kind's state has a tensor of
+    any other shape (factored moments), that kind steps again with stand-ins of each of its
+    parameters' own shapes. DCP's read writes every value, or the load fails and takes the
+    state away again (``Checkpointer.load``), and ``set_optimizer_state_dict`` replaces the
+    whole state with what was read. The real optimizer is not stepped (no step hook or
+    scheduler counter of it runs).
+
+    Returns whether it did. Not (nothing changed, DCP makes the state its way) where the
+    optimizer has state, a parameter is not a plain tensor (a DTensor shard) or has a gradient,
+    or the copy cannot be made or stepped (a constructor that takes more than param groups)."""
+    if optimizer.state:
+        return False
+    groups = optimizer.param_groups
+    plain = (torch.Tensor, torch.nn.Parameter)
+    params = [(i, p) for i, g in enumerate(groups) for p in g["params"]]
+    if any(type(p) not in plain or p.grad is not None or p.dim() > len(_SIZES) for _, p in params):
+        return False
+
+    def small(i: int, p: torch.Tensor) -> tuple[Any, ...]:
+        return i, p.dim(), p.dtype, p.device, p.requires_grad
+
+    def whole(i: int, p: torch.Tensor) -> tuple[Any, ...]:
+        return i, tuple(p.shape), p.stride(), p.dtype, p.device, p.requires_grad
+
+    made: dict[torch.Tensor, dict[str, Any]] = {}
+    try:
+        laid = _stepped(optimizer, params, small,
+                        lambda p: torch.zeros(_SIZES[: p.dim()], dtype=p.dtype, device=p.device))
+        again = []
+        for i, p in params:
+            standin, state = laid[small(i, p)]
+            if any(isinstance(v, torch.Tensor) and v.dim() and v.shape != standin.shape for v in state.values()):
+                again.append((i, p))
+            elif state:
+                made[p] = {n: (torch.empty_like(p, dtype=v.dtype, device=v.device, memory_format=torch.preserve_format)
+                               if v.dim() else torch.empty((), dtype=v.dtype, device=v.device))
+                           if isinstance(v, torch.Tensor) else _copy.deepcopy(v) for n, v in state.items()}
+        if again:  # state not shaped as its parameter: stand-ins as large as each parameter
+            laid = _stepped(optimizer, again, whole, lambda p: torch.zeros_like(p, memory_format=torch.preserve_format))
+            for i, p in again:
+                _, state = laid[whole(i, p)]
+                made[p] = {n: torch.empty_like(v, memory_format=torch.preserve_format) if isinstance(v, torch.Tensor)
+                           else _copy.deepcopy(v) for n, v in state.items()}
+    except Exception:  # not an optimizer this way works for: DCP's own step makes the state
+        return False
+    optimizer.state.update(made)
+    return True
+
+
+def _stepped(optimizer: torch.optim.Optimizer, params: list[tuple[int, torch.Tensor]],
+             kind: Callable[[int, torch.Tensor], tuple[Any, ...]],
+             standin: Callable[[torch.Tensor], torch.Tensor]) -> dict[tuple[Any, ...], tuple[torch.Tensor, dict[str, Any]]]:
+    """:func:`fresh_state`'s copy of ``optimizer`` stepped once with zero gradients over a
+    stand-in per ``kind`` of the ``(param group index, parameter)`` pairs: by kind, the
+    stand-in and its state (empty where the optimizer keeps none)."""
+    standins: dict[tuple[Any, ...], torch.Tensor] = {}
+    copies = [{**{n: v for n, v in g.items() if n not in ("params", "param_names")}, "params": []}
+              for g in optimizer.param_groups]
+    for i, p in params:
+        k = kind(i, p)
+        if k not in standins:
+            standins[k] = standin(p).requires_grad_(p.requires_grad)
+            copies[i]["params"].append(standins[k])
+    copy = type(optimizer)([g for g in copies if g["params"]])
+    for t in standins.values():
+        if t.requires_grad:
+            t.grad = torch.zeros_like(t)
+    copy.step()
+    return {k: (t, dict(copy.state.get(t, {}))) for k, t in standins.items()}
 
 
 def snapshot_sharded(state: Mapping[str, Any], keys: frozenset[str]) -> tuple[dict[str, Any], int]:
@@ -159,6 +244,9 @@ def load_sharded(
     more).
     """
     options = StateDictOptions()
+    for key in sorted(keys):  # a requeued job's optimizer: its state laid out, not computed (not
+        if isinstance(state[key], torch.optim.Optimizer):  # for a save: that would save what is laid out)
+            fresh_state(state[key])
     target = live_state_dicts(state, keys, options)
     reader = reader if reader is not None else dcp.FileSystemReader(directory / DCP_DIR)
     failed: BaseException | None = None

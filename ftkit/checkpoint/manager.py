@@ -24,7 +24,6 @@ import builtins
 import functools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
@@ -132,57 +131,6 @@ def _reshard(state: Mapping[str, Any]) -> None:
                     module.reshard()
 
 
-class _FreshMoments:
-    """Fresh optimizers' state made on a thread of its own while a requeued job's load finds and
-    starts reading a DCP checkpoint, instead of after the ranks agreed to load it.
-
-    DCP reads into the optimizer's state, so a requeued job's fresh optimizer first gets zero
-    moments (``get_optimizer_state_dict`` steps it once with zero gradients and learning rate
-    0): fresh memory the size of the moments and of the gradients, faulted in and written. On
-    the 2-CPU VM that took 115-121 ms of a two-rank 0.25 GB requeue's 260 ms load, after the
-    agreement, with the bulk read waiting for DCP's plan. Here it overlaps the load's listing,
-    small reads and first collective. Only where every parameter is a plain CPU tensor (no
-    DTensor: no collective; no CUDA stream of another thread). ``join`` waits for it; should
-    the step fail, the optimizer is left as it was (state, gradients, learning rates) and the
-    load makes the state again where it did, failing there as before."""
-
-    def __init__(self, optimizers: list[Any]) -> None:
-        self._thread = threading.Thread(target=self._run, args=(optimizers,), name="ftkit-fresh-moments",
-                                        daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def wanted(optimizers: list[Any]) -> list[Any]:
-        """Those of the fresh ``optimizers`` this can prepare."""
-        import torch
-
-        plain = (torch.Tensor, torch.nn.Parameter)
-        return [o for o in optimizers
-                if all(type(p) in plain and p.device.type == "cpu" and p.grad is None
-                       for g in o.param_groups for p in g["params"])]
-
-    @staticmethod
-    def _run(optimizers: list[Any]) -> None:
-        try:
-            from torch.distributed.checkpoint.state_dict import _init_optim_state
-        except ImportError:  # another torch: DCP's own call makes them, after the agreement
-            return
-        for optimizer in optimizers:
-            lrs = [g.get("lr") for g in optimizer.param_groups]
-            try:
-                _init_optim_state(optimizer)
-            except BaseException:  # left as it was: the load's own call fails in its place
-                for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-                    if lr is not None:
-                        group["lr"] = lr
-                    for param in group["params"]:
-                        param.grad = None
-                optimizer.state.clear()
-
-    def join(self) -> None:
-        self._thread.join()
-
-
 class _EarlyRead:
     """A DCP checkpoint's read begun before the ranks agreed to load it (:meth:`Checkpointer._start_read`):
     its streaming reader, this rank's state file parsed and the state keys the checkpoint holds,
@@ -237,8 +185,6 @@ class Checkpointer(CheckpointManager):
         (None: any tensor under that key, a DCP load's)."""
         self._covered: tuple[set[str], set[int]] = (set(), set())
         self._passed_broken = False  # the last load skipped a checkpoint that looked complete (_load)
-        self._fresh: list[Any] = []  # the optimizers without state when load began
-        self._moments: _FreshMoments | None = None  # their state being made (load, _load)
         """What the last ``_try_load`` with ``cover`` restored: keys wholly, and the addresses of
         the other live tensors it wrote."""
 
@@ -369,13 +315,8 @@ class Checkpointer(CheckpointManager):
         fresh = [v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state]
         _reshard(state)
         settings = group_settings(state)  # the script's, before the checkpoint's replace them
-        self._fresh, self._moments = fresh, None
         try:
             restored = self._load(state, step, began)
-            if restored is None and self._moments is not None:  # made for a load that did not happen
-                self._moments.join()
-                for optimizer in fresh:
-                    optimizer.state.clear()
             if step is not None:  # a step asked for: a history goes on from it (later ones go aside)
                 self.commits.fork(step)
             elif self._passed_broken:
@@ -396,13 +337,9 @@ class Checkpointer(CheckpointManager):
                     self._emit("settings-replaced", step=restored, settings=replaced)
             return restored
         except BaseException:
-            if self._moments is not None:
-                self._moments.join()
             for optimizer in fresh:
                 optimizer.state.clear()
             raise
-        finally:
-            self._fresh, self._moments = [], None
 
     def _load(self, state: Mapping[str, Any], step: int | None, began: float) -> int | None:
         """``load``'s candidates, newest first: each validated, agreed on and loaded, or skipped."""
@@ -419,9 +356,6 @@ class Checkpointer(CheckpointManager):
             # if this one turns out corrupt during the read
             direct = step is None and any(validate_dir(p).valid for p in candidates[i + 1 :])
             info = validate_dir(path)  # read once here: each step below works from it
-            if direct and self._moments is None and info.valid and is_dcp(info.files):
-                wanted = _FreshMoments.wanted(self._fresh)  # a requeued job's optimizer: its moments now
-                self._moments = _FreshMoments(wanted) if wanted else None
             # how every rank's modules and optimizers lie (see below), and whether every rank
             # has an older checkpoint: one collective, every rank, whatever its own validation
             # said, so that the ways below are the same on every rank (a filesystem may show one
@@ -441,8 +375,6 @@ class Checkpointer(CheckpointManager):
                     early = self._start_read(path, info) if not ahead else None
                     ahead = ahead or self._early_problem(state, path, early)
                 level, alone, flagged = self.comm.most(fit, not direct, bool(ahead))
-                if self._moments is not None:  # before anything below looks at the optimizers
-                    self._moments.join()
             except BaseException:
                 if early is not None:
                     early.close()
