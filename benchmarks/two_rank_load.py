@@ -57,8 +57,9 @@ sys.path.insert(0, str(HERE))
 # the steps timed with --timeline: (module, attribute) of functions and methods, by label
 _STEPS = {
     "ftkit.checkpoint.manager": ["list_step_dirs", "validate_dir", "read_state_bytes", "parse_state_file",
-                                 "Checkpointer._check_here", "Checkpointer._start_read", "Checkpointer._agree",
+                                 "Checkpointer._check_here", "Checkpointer._start_read", "Checkpointer._early_problem", "Checkpointer._agree",
                                  "Checkpointer._try_load", "Checkpointer._common", "Checkpointer._agree_read"],
+    "ftkit.checkpoint.comm": ["Comm.most"],
     "ftkit.checkpoint.dcp": ["fresh_state", "live_state_dicts", "_set"],
     "ftkit.checkpoint.dcp_reader": ["StreamingReader.prefetch", "StreamingReader.read_data"],
     "torch.distributed.checkpoint": ["load"],  # DCP's load (its planning, then read_data)

@@ -324,8 +324,9 @@ def _removed(state: Mapping[str, Any], target: Mapping[str, Any], metadata: Any)
 def _without_unsaved_moments(state: Mapping[str, Any], target: dict[str, Any], metadata: Any) -> None:
     """Take out of an optimizer's load target the parameters the checkpoint has no moments for.
 
-    ``get_optimizer_state_dict`` gives a fresh optimizer zero moments for every parameter that
-    needs a gradient, and DCP then wants each of them from the checkpoint. A parameter that
+    A fresh optimizer gets moments for every parameter that needs a gradient (laid out by
+    :func:`fresh_state`, else ``get_optimizer_state_dict``'s zeros), and DCP then wants each
+    of them from the checkpoint. A parameter that
     had no gradient before the save (a head not used yet, a layer frozen then) has none there,
     and the same script could not resume. Left out, such a parameter has no moments after the
     load, as before the save (its optimizer makes them at its first gradient): what a

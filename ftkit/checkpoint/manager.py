@@ -310,8 +310,8 @@ class Checkpointer(CheckpointManager):
         self.comm.check()
         import torch
 
-        # DCP gives an optimizer without state zeros to load into before it reads (a requeued
-        # job's, before its first step): a load that fails takes them away again
+        # a DCP load gives an optimizer without state (a requeued job's, before its first step)
+        # state to read into (dcp.fresh_state, else DCP's zeros): a load that fails takes it away again
         fresh = [v for v in state.values() if isinstance(v, torch.optim.Optimizer) and not v.state]
         _reshard(state)
         settings = group_settings(state)  # the script's, before the checkpoint's replace them
