@@ -219,6 +219,12 @@ def test_a_fresh_optimizers_state_is_laid_out_as_dcps_own_step_makes_it_without_
                 assert got[key] == value, key
     assert not mine.state or not fresh_state(mine)  # it has state now: left as it is (SGD without momentum has none)
 
+    class Custom(torch.optim.SGD):  # not torch's: its constructor may do more than keep param groups
+        pass
+
+    custom = Custom(torch.nn.Linear(2, 2).parameters(), lr=0.1, momentum=0.9)
+    assert not fresh_state(custom) and not custom.state
+
     adagrad = torch.optim.Adagrad(torch.nn.Linear(2, 2).parameters())  # state from its constructor
     made = {id(p): dict(s) for p, s in adagrad.state.items()}
     assert not fresh_state(adagrad)

@@ -110,10 +110,11 @@ def fresh_state(optimizer: torch.optim.Optimizer) -> bool:
     scheduler counter of it runs).
 
     Returns whether it did. Not (nothing changed, DCP makes the state its way) where the
-    optimizer has state, a parameter is not a plain tensor (a DTensor shard) or has a gradient,
-    or the copy cannot be made or stepped (a constructor that takes more than param groups)."""
-    if optimizer.state:
-        return False
+    optimizer has state or is not one of ``torch.optim``'s, a parameter is not a plain tensor
+    (a DTensor shard) or has a gradient, or the copy cannot be made or stepped."""
+    module = type(optimizer).__module__
+    if optimizer.state or not (module == "torch.optim" or module.startswith("torch.optim.")):
+        return False  # another's constructor may do more than keep param groups (hooks, collectives)
     groups = optimizer.param_groups
     plain = (torch.Tensor, torch.nn.Parameter)
     params = [(i, p) for i, g in enumerate(groups) for p in g["params"]]
