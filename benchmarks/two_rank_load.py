@@ -164,6 +164,44 @@ def _device_report(windows: dict[str, list[tuple[float, float]]]) -> None:
                 print("          idle (at: ms) " + " ".join(f"{a:.1f}:{b:.2f}" for a, b in gaps))
 
 
+def _rank_and_model(gb: float):
+    """This process's rank (``RANK``), its gloo group joined, and its half of the sharded model
+    (each rank's layers its own, so each rank reads back only its own DCP file)."""
+    import checkpoint_speed as cs
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(rank)
+    layers = max(1, round(gb * 1e9 / cs.BYTES_PER_LAYER / 2))
+    return rank, torch.nn.ModuleDict({f"r{rank}_{i}": torch.nn.Linear(cs.LAYER, cs.LAYER) for i in range(layers)})
+
+
+def _own_files(step: Path, rank: int) -> list[Path]:
+    """The files of ``step`` this rank reads: its state file, its DCP file; rank 0 also the rest
+    (``.metadata``, the manifest)."""
+    import checkpoint_speed as cs
+
+    return [p for p in cs._files_under(step)
+            if p.name == f"rank-{rank:05d}.pt" or p.name.startswith(f"__{rank}_")
+            or (rank == 0 and not p.name.startswith(("rank-", "__")))]
+
+
+def _cold(rank: int) -> None:
+    """Both ranks at once from a cold page cache: rank 0 syncs and drops it, then a pause."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 0:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3")
+    dist.barrier()
+    time.sleep(0.3)
+    dist.barrier()
+
+
 def fresh_worker(work: Path, gb: float, timeline: bool) -> None:
     """One requeued job's load (``--fresh``): a new model and a fresh Adam on each rank, the
     raw read of this rank's files and then the load, each cold, both ranks at once. Rank 0
@@ -175,18 +213,10 @@ def fresh_worker(work: Path, gb: float, timeline: bool) -> None:
 
     from ftkit.checkpoint import CheckpointConfig, make_manager
 
-    rank = int(os.environ["RANK"])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    torch.manual_seed(rank)
-    layers = max(1, round(gb * 1e9 / cs.BYTES_PER_LAYER / 2))
-    model = torch.nn.ModuleDict({f"r{rank}_{i}": torch.nn.Linear(cs.LAYER, cs.LAYER) for i in range(layers)})
+    rank, model = _rank_and_model(gb)
     state = {"model": model, "optimizer": torch.optim.Adam(model.parameters(), lr=1e-4)}
     cfg = CheckpointConfig(root=work / "ck", keep_last=None)
-    step = work / "ck" / "step-00000002"
-    mine = [p for p in cs._files_under(step)
-            if p.name == f"rank-{rank:05d}.pt" or p.name.startswith(f"__{rank}_")
-            or (rank == 0 and not p.name.startswith(("rank-", "__")))]
+    mine = _own_files(work / "ck" / "step-00000002", rank)
     buf = cs._huge_copy(memoryview(bytes(cs._READ_CHUNK)))
     record: list[tuple[str, float, float]] = []
     clock = [0.0]
@@ -194,13 +224,7 @@ def fresh_worker(work: Path, gb: float, timeline: bool) -> None:
         _timed(record, clock)
     took = []
     for kind in ("raw", "load"):
-        dist.barrier()
-        if rank == 0:
-            os.sync()
-            Path("/proc/sys/vm/drop_caches").write_text("3")
-        dist.barrier()
-        time.sleep(0.3)
-        dist.barrier()
+        _cold(rank)
         record.clear()
         start = clock[0] = time.perf_counter()
         if kind == "raw":
@@ -226,12 +250,7 @@ def worker(work: Path, gb: float, rounds: int, timeline: bool, device: bool = Fa
     from ftkit.checkpoint import CheckpointConfig, make_manager
     from ftkit.checkpoint.io.reader import check_file
 
-    rank = int(os.environ["RANK"])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    torch.manual_seed(rank)
-    layers = max(1, round(gb * 1e9 / cs.BYTES_PER_LAYER / 2))
-    model = torch.nn.ModuleDict({f"r{rank}_{i}": torch.nn.Linear(cs.LAYER, cs.LAYER) for i in range(layers)})
+    rank, model = _rank_and_model(gb)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
@@ -244,9 +263,7 @@ def worker(work: Path, gb: float, rounds: int, timeline: bool, device: bool = Fa
     dist.barrier()
     step = work / "ck" / "step-00000002"
     manifest = json.loads((step / "manifest.json").read_text())["files"]
-    mine = [p for p in cs._files_under(step)
-            if p.name == f"rank-{rank:05d}.pt" or p.name.startswith(f"__{rank}_")
-            or (rank == 0 and not p.name.startswith(("rank-", "__")))]
+    mine = _own_files(step, rank)
     buf = cs._huge_copy(memoryview(bytes(cs._READ_CHUNK)))
     record: list[tuple[str, float, float]] = []
     clock = [0.0]
@@ -274,13 +291,7 @@ def worker(work: Path, gb: float, rounds: int, timeline: bool, device: bool = Fa
         _trace(True)
     for r in range(rounds * len(order)):
         kind = order[(r + r // len(order)) % len(order)]  # rotating, each kind after each other
-        dist.barrier()
-        if rank == 0:
-            os.sync()
-            Path("/proc/sys/vm/drop_caches").write_text("3")
-        dist.barrier()
-        time.sleep(0.3)
-        dist.barrier()
+        _cold(rank)
         record.clear()
         clock[0] = time.perf_counter()
         kinds[kind]()
