@@ -147,12 +147,13 @@ def train_main(argv: list[str]) -> None:
     ap.add_argument("--out")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--tied", action="store_true")
+    ap.add_argument("--hidden", type=int, default=32)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-    state, loader = build_state(rank=rank, world_size=world, device=a.device, tied=a.tied)
+    state, loader = build_state(rank=rank, world_size=world, device=a.device, tied=a.tied, hidden=a.hidden)
     mgr = make_manager(CheckpointConfig(root=a.root, keep_last=2), rank=rank, world_size=world)
     step = mgr.load(state) or 0
     model, opt, sched = state["model"], state["optimizer"], state["scheduler"]

@@ -42,7 +42,7 @@ from ftkit.checkpoint.io import unpickle as _unpickle
 from ftkit.checkpoint.io.reader import FileProblem, check_file, read_file
 from ftkit.checkpoint.io.statefile import read_state_file, write_state_file
 from ftkit.errors import CheckpointError
-from tests.ckpt_helpers import make_mgr, native_aio, run_ranks
+from tests.ckpt_helpers import assert_same_values, make_mgr, native_aio, run_ranks
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux-only")
 
@@ -1007,14 +1007,14 @@ def test_tensors_sharing_a_storage_read_into_memory_of_their_own_keep_every_byte
     assert all(torch.equal(got[k], v) for k, v in parts.items())
 
 
-def _dcp_reference_and_live(root) -> tuple[dict, dict]:
+def _dcp_reference_and_live(root, hidden: int = 32) -> tuple[dict, dict]:
     """Step 7 of ``root`` as DCP's own reader loads it (an explicit step), and a live state of
     the same shapes whose values all differ from it (nothing of them may survive a load)."""
     from tests.ckpt_helpers import build_state
 
-    reference, _ = build_state()
+    reference, _ = build_state(hidden=hidden)
     assert make_mgr(root).load(reference, step=7) == 7  # an explicit step: DCP's own reader
-    state, _ = build_state()
+    state, _ = build_state(hidden=hidden)
     with torch.no_grad():
         for p in state["model"].parameters():
             p.add_(1.0)
@@ -1103,6 +1103,9 @@ def test_a_rank_reads_its_own_dcp_file_whole_and_the_values_in_anothers_in_small
         group["lr"], group["betas"] = 123.0, (0.5, 0.25)
     reads = _spy_reads(monkeypatch)
     reader = StreamingReader(step / "dcp", validate_dir(step).files, rank=0, world_size=2)
+    # as where rank 0 needs none of rank 1's tensors (a sharded model's): its DDP model needs
+    # all of them, for which rank 1's file would be read whole (the test below)
+    monkeypatch.setattr(reader, "_mostly_needed", lambda per_file, mine: [])
     metadata = reader.read_metadata()
     theirs = [info for index, info in metadata.storage_data.items() if info.relative_path.startswith("__1_")
               and isinstance(metadata.state_dict_metadata[index.fqn], BytesStorageMetadata)]
@@ -1125,6 +1128,73 @@ def test_a_rank_reads_its_own_dcp_file_whole_and_the_values_in_anothers_in_small
     assert not [r for r in reads.bulk if r[0] == ino]  # nothing of it read whole here
     for info in theirs:  # every value of rank 1's file among what those small reads brought
         assert any(off <= info.offset and info.offset + info.length <= off + n for _, off, n, _ in small)
+
+
+def test_a_ddp_rank_reads_the_other_ranks_dcp_file_whole_too_not_through_dcps_reader(tmp_path, monkeypatch):
+    """Rank 0's share of a two-rank DDP load (driven in one process): DCP stored each tensor
+    of the model both ranks hold once, about half in each rank's file, and rank 0 needs all of
+    them. After its own file it reads rank 1's whole as well, with O_DIRECT, checked as it
+    arrives, the tensors straight into the live ones, not item by item through DCP's
+    reader (buffered reads and a ``torch.load`` each: 0.58 of the raw read at 0.25 GB). The
+    state is DCP's own reader's; with more ranks on the host, rank 1's file is read through the
+    page cache instead. A byte flipped in rank 1's file is found by rank 0's read."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ftkit.checkpoint.dcp import failure_of, load_sharded, sharded_keys
+    from ftkit.checkpoint.dcp_reader import CorruptFile, StreamingReader
+    from ftkit.checkpoint.format.manifest import validate_dir
+
+    root = tmp_path / "ck"  # files of ~120 KB: more than their headers' small reads
+    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7", "--hidden", "2048"], 2)
+    step = root / "step-00000007"
+    reference, state = _dcp_reference_and_live(root, hidden=2048)
+    reads = _spy_reads(monkeypatch)
+    theirs: list[int] = []  # items DCP's own reader was asked for
+    real_read_data = FileSystemReader.read_data
+    monkeypatch.setattr(FileSystemReader, "read_data",
+                        lambda self, plan, planner: theirs.append(len(plan.items)) or real_read_data(self, plan, planner))
+    files = validate_dir(step).files
+    reader = StreamingReader(step / "dcp", files, rank=0, world_size=2)
+    reader.prefetch()
+    try:
+        load_sharded(state, sharded_keys(state), step, reader=reader)
+    finally:
+        reader.close()
+    assert reader.files_read == ["__0_0.distcp", "__1_0.distcp"] and not theirs
+    other = step / "dcp" / "__1_0.distcp"
+    bulk = [r for r in reads.bulk if r[0] == other.stat().st_ino]
+    assert bulk and all(direct for *_, direct in bulk)
+    assert sum(n for _, _, n, _ in bulk) + 64 * 1024 >= other.stat().st_size  # all of it, but what the headers' reads brought
+    assert_same_values(reference["model"].state_dict(), state["model"].state_dict(), "model")
+    assert_same_values(reference["optimizer"].state_dict(), state["optimizer"].state_dict(), "optimizer")
+    # more ranks on the host (``shared``): rank 1's file through the page cache, its own not
+    with torch.no_grad():
+        for p in state["model"].parameters():
+            p.add_(1.0)
+    reads.bulk.clear()
+    reader = StreamingReader(step / "dcp", files, rank=0, world_size=2, shared=True)
+    reader.prefetch()
+    try:
+        load_sharded(state, sharded_keys(state), step, reader=reader)
+    finally:
+        reader.close()
+    assert reader.files_read == ["__0_0.distcp", "__1_0.distcp"] and not theirs
+    own = (step / "dcp" / "__0_0.distcp").stat().st_ino
+    assert [r for r in reads.bulk if r[0] == own] and all(d for i, _, _, d in reads.bulk if i == own)
+    assert [r for r in reads.bulk if r[0] == other.stat().st_ino]
+    assert not any(d for i, _, _, d in reads.bulk if i == other.stat().st_ino)
+    assert_same_values(reference["model"].state_dict(), state["model"].state_dict(), "model")
+    _flip_dcp_file(root, 7, 1)
+    reader = StreamingReader(step / "dcp", files, rank=0, world_size=2)
+    reader.prefetch()
+    try:
+        with pytest.raises(BaseException) as caught:
+            load_sharded(state, sharded_keys(state), step, reader=reader)
+    finally:
+        reader.close()
+    failure = failure_of(caught.value)  # DCP's CheckpointException holds the reader's
+    assert isinstance(failure, CorruptFile) and "__1_0.distcp" in str(failure), failure
+    assert reader.files_read == ["__0_0.distcp"]
 
 
 def _grow_dcp_item(step, name: str, by: int) -> tuple[int, int]:
@@ -1407,15 +1477,16 @@ def test_a_set_aside_names_the_live_memory_and_empties_a_fresh_optimizer_only_wh
     assert _restore.SetAside.fits(state, 2) and not _restore.SetAside.fits(state, 3)
 
 
-@pytest.mark.parametrize("way", ["streamed", "another-layout", "another-ranks-file", "dcp-own-reader"])
+@pytest.mark.parametrize("way", ["streamed", "another-layout", "another-ranks-file", "another-ranks-file-whole",
+                                 "dcp-own-reader"])
 def test_a_guarded_dcp_read_puts_back_every_byte_it_wrote_whichever_way_it_wrote(tmp_path, trained, monkeypatch, way):
     """A DCP load with nothing older (:class:`SetAside`): the streaming reader sets aside what
     it writes over in the live modules and optimizers, and ``undo`` puts back every byte of
     it, whichever way the load wrote: streamed straight into the tensors (each piece set
     aside on the placing threads), copied once the file was read (a live tensor of another
     layout), by DCP's own reader (an item of a file another rank reads whole; every item,
-    where the streaming read cannot parse a file). Run here on a load that succeeds, so
-    every byte was written first."""
+    where the streaming read cannot parse a file; or streamed, a file another rank checks that
+    this rank needs most of). Run here on a load that succeeds, so every byte was written first."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     from ftkit.checkpoint import dcp_reader as _dcp_reader
@@ -1446,7 +1517,9 @@ def test_a_guarded_dcp_read_puts_back_every_byte_it_wrote_whichever_way_it_wrote
     tensors = [t for v in live.values() for t in reachable_tensors(v)]
     before = [t.clone() for t in tensors]
     reader = _dcp_reader.StreamingReader(step / "dcp", validate_dir(step).files, rank=0,
-                                         world_size=2 if way == "another-ranks-file" else 1)
+                                         world_size=2 if way.startswith("another-ranks-file") else 1)
+    if way == "another-ranks-file":  # as for a few items of it (the DDP model here needs all)
+        monkeypatch.setattr(reader, "_mostly_needed", lambda per_file, mine: [])
     kept = SetAside(live)
     reader.guard = kept.guard
     kept.by(reader.undo)
@@ -1474,8 +1547,9 @@ def test_a_guarded_dcp_read_puts_back_every_byte_it_wrote_whichever_way_it_wrote
 @pytest.mark.parametrize("how,case", [("one-pass", "valid"), ("one-pass", "corrupt"), ("check-first", "valid"),
                                       ("check-first", "changed-after-the-check")])
 def test_the_only_dcp_checkpoint_loads_in_one_pass_or_checked_first(tmp_path, how, case, ranks):
-    """A DCP checkpoint saved by two ranks, with nothing older to fall back on, loaded by two
-    ranks or by one process (a requeue onto fewer: it reads both files).
+    """A DCP checkpoint saved by two DDP ranks, with nothing older to fall back on, loaded by two
+    ranks or by one process (a requeue onto fewer: it reads both files). Two ranks read both
+    files too, their own first: DCP stored each tensor of the model every rank holds once.
 
     One pass (every rank's modules and optimizers in host memory): each rank copies them aside,
     streams its own file straight into them (``O_DIRECT``, as with an older checkpoint), and a
@@ -1500,7 +1574,7 @@ def test_the_only_dcp_checkpoint_loads_in_one_pass_or_checked_first(tmp_path, ho
     direct = "False" if how == "check-first" else "None"  # None: O_DIRECT where the filesystem takes it
     for rank, said in enumerate(lines):
         got = torch.load(f"{tmp_path / 'loaded'}.rank{rank}", weights_only=True)
-        own = ["__0_0.distcp", "__1_0.distcp"] if ranks == 1 else [f"__{rank}_0.distcp"]
+        own = ["__0_0.distcp", "__1_0.distcp"] if ranks == 1 else [f"__{rank}_0.distcp", f"__{1 - rank}_0.distcp"]
         if case == "valid":
             assert said[-2:] == [f"reader direct={direct} read={own}", "loaded 4"], said
             want = torch.load(f"{out}.rank{rank}", weights_only=True)

@@ -567,7 +567,8 @@ class Checkpointer(CheckpointManager):
 
         reader = StreamingReader(path / DCP_DIR, info.files, verify=self.config.verify_on_load,
                                  direct=False if cached else self.config.direct_io, rank=self.rank,
-                                 world_size=self.world_size if self.comm.distributed else 1)
+                                 world_size=self.world_size if self.comm.distributed else 1,
+                                 shared=_local_ranks(self.world_size) > 2)
         early = _EarlyRead(reader, *self._state_file(info, path))
         try:
             state_file = read_state_bytes(path, early.name, info.files[early.name],
