@@ -1,7 +1,7 @@
 """Where a two-rank DCP load's time goes: ftkit's load side by side with the raw read of the
 same files, and with ftkit's reader alone, each rank's steps timed.
 
-    python benchmarks/two_rank_load.py [--gb 0.25] [--rounds 15] [--dir /tmp] [--timeline] [--fresh 5]
+    python benchmarks/two_rank_load.py [--gb 0.25] [--rounds 15] [--dir /tmp] [--timeline] [--fresh 5] [--replicated]
 
 ``checkpoint_speed.py``'s two-rank cell (``ftkit-dcp2``) in one process per rank (gloo on
 127.0.0.1), without the rest of its run: both ranks save the same sharded state twice (each
@@ -34,6 +34,10 @@ the raw read first: its buffer is its own). A requeued job's load is the first o
 process: the memory it reads through (staging, the optimizer's moments) is fresh, where
 the rounds above reuse what the first one faulted in. With ``--timeline``, these loads'
 steps too.
+
+``--replicated``: each rank holds the whole model and optimizer (``--gb`` of them), as a DDP
+job's ranks do. DCP stores each tensor once, about half in each rank's file, and each rank
+loads both files; ``raw`` and ``reader`` then read every file on each rank.
 """
 
 from __future__ import annotations
@@ -164,9 +168,10 @@ def _device_report(windows: dict[str, list[tuple[float, float]]]) -> None:
                 print("          idle (at: ms) " + " ".join(f"{a:.1f}:{b:.2f}" for a, b in gaps))
 
 
-def _rank_and_model(gb: float):
+def _rank_and_model(gb: float, replicated: bool = False):
     """This process's rank (``RANK``), its gloo group joined, and its half of the sharded model
-    (each rank's layers its own, so each rank reads back only its own DCP file)."""
+    (each rank's layers its own, so each rank reads back only its own DCP file); ``replicated``:
+    the whole model, the same on every rank (DDP's)."""
     import checkpoint_speed as cs
     import torch
     import torch.distributed as dist
@@ -174,18 +179,23 @@ def _rank_and_model(gb: float):
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    if replicated:
+        torch.manual_seed(0)
+        layers = max(1, round(gb * 1e9 / cs.BYTES_PER_LAYER))
+        return rank, torch.nn.ModuleDict({f"l{i}": torch.nn.Linear(cs.LAYER, cs.LAYER) for i in range(layers)})
     torch.manual_seed(rank)
     layers = max(1, round(gb * 1e9 / cs.BYTES_PER_LAYER / 2))
     return rank, torch.nn.ModuleDict({f"r{rank}_{i}": torch.nn.Linear(cs.LAYER, cs.LAYER) for i in range(layers)})
 
 
-def _own_files(step: Path, rank: int) -> list[Path]:
-    """The files of ``step`` this rank reads: its state file, its DCP file; rank 0 also the rest
-    (``.metadata``, the manifest)."""
+def _own_files(step: Path, rank: int, replicated: bool = False) -> list[Path]:
+    """The files of ``step`` this rank reads: its state file, its DCP file (``replicated``:
+    every DCP file); rank 0 also the rest (``.metadata``, the manifest)."""
     import checkpoint_speed as cs
 
     return [p for p in cs._files_under(step)
             if p.name == f"rank-{rank:05d}.pt" or p.name.startswith(f"__{rank}_")
+            or (replicated and p.name.startswith("__"))
             or (rank == 0 and not p.name.startswith(("rank-", "__")))]
 
 
@@ -202,7 +212,7 @@ def _cold(rank: int) -> None:
     dist.barrier()
 
 
-def fresh_worker(work: Path, gb: float, timeline: bool) -> None:
+def fresh_worker(work: Path, gb: float, timeline: bool, replicated: bool = False) -> None:
     """One requeued job's load (``--fresh``): a new model and a fresh Adam on each rank, the
     raw read of this rank's files and then the load, each cold, both ranks at once. Rank 0
     appends ``[raw ms, load ms]`` to ``work/fresh.json``; with ``timeline``, each rank its
@@ -213,10 +223,10 @@ def fresh_worker(work: Path, gb: float, timeline: bool) -> None:
 
     from ftkit.checkpoint import CheckpointConfig, make_manager
 
-    rank, model = _rank_and_model(gb)
+    rank, model = _rank_and_model(gb, replicated)
     state = {"model": model, "optimizer": torch.optim.Adam(model.parameters(), lr=1e-4)}
     cfg = CheckpointConfig(root=work / "ck", keep_last=None)
-    mine = _own_files(work / "ck" / "step-00000002", rank)
+    mine = _own_files(work / "ck" / "step-00000002", rank, replicated)
     buf = cs._huge_copy(memoryview(bytes(cs._READ_CHUNK)))
     record: list[tuple[str, float, float]] = []
     clock = [0.0]
@@ -242,7 +252,7 @@ def fresh_worker(work: Path, gb: float, timeline: bool) -> None:
     dist.destroy_process_group()
 
 
-def worker(work: Path, gb: float, rounds: int, timeline: bool, device: bool = False) -> None:
+def worker(work: Path, gb: float, rounds: int, timeline: bool, device: bool = False, replicated: bool = False) -> None:
     import checkpoint_speed as cs
     import torch
     import torch.distributed as dist
@@ -250,7 +260,7 @@ def worker(work: Path, gb: float, rounds: int, timeline: bool, device: bool = Fa
     from ftkit.checkpoint import CheckpointConfig, make_manager
     from ftkit.checkpoint.io.reader import check_file
 
-    rank, model = _rank_and_model(gb)
+    rank, model = _rank_and_model(gb, replicated)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
@@ -263,7 +273,7 @@ def worker(work: Path, gb: float, rounds: int, timeline: bool, device: bool = Fa
     dist.barrier()
     step = work / "ck" / "step-00000002"
     manifest = json.loads((step / "manifest.json").read_text())["files"]
-    mine = _own_files(step, rank)
+    mine = _own_files(step, rank, replicated)
     buf = cs._huge_copy(memoryview(bytes(cs._READ_CHUNK)))
     record: list[tuple[str, float, float]] = []
     clock = [0.0]
@@ -307,8 +317,8 @@ def worker(work: Path, gb: float, rounds: int, timeline: bool, device: bool = Fa
     if rank == 0:
         med = {k: statistics.median(v[1:] if len(v) > 1 else v) for k, v in times.items()}
         size = sum(p.stat().st_size for p in cs._files_under(step))
-        print(f"two_rank_load: {gb} GB of state on two ranks ({size / 1e9:.2f} GB of files), {rounds} cold rounds "
-              "of each (the first left out), medians:")
+        print(f"two_rank_load: {gb} GB of state on {'each of ' if replicated else ''}two ranks ({size / 1e9:.2f} GB "
+              f"of files), {rounds} cold rounds of each (the first left out), medians:")
         for k, v in med.items():
             print(f"  {k:7s} {v:7.1f} ms   raw / {k}: {med['raw'] / v:.3f}   "
                   f"(every round: {' '.join(f'{x:.1f}' for x in times[k])})")
@@ -374,14 +384,16 @@ def main() -> int:
     ap.add_argument("--device", action="store_true", help="also trace the device's reads (block layer, tracefs)")
     ap.add_argument("--fresh", type=int, default=0, metavar="N",
                     help="then N loads as a requeued job makes them: each by a new pair of processes")
+    ap.add_argument("--replicated", action="store_true",
+                    help="the whole model and optimizer on each rank, as DDP's (each rank loads every file)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--fresh-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(Path(args.worker), args.gb, args.rounds, args.timeline, args.device)
+        worker(Path(args.worker), args.gb, args.rounds, args.timeline, args.device, args.replicated)
         return 0
     if args.fresh_worker:
-        fresh_worker(Path(args.fresh_worker), args.gb, args.timeline)
+        fresh_worker(Path(args.fresh_worker), args.gb, args.timeline, args.replicated)
         return 0
     if os.geteuid() != 0:
         print("two_rank_load: dropping the page cache needs root", file=sys.stderr)
@@ -392,12 +404,14 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--worker", str(work), "--gb", str(args.gb), "--rounds", str(args.rounds)]
         cmd += ["--timeline"] if args.timeline else []
         cmd += ["--device"] if args.device else []
+        cmd += ["--replicated"] if args.replicated else []
         procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r)}) for r in range(2)]
         code = max(p.wait() for p in procs)
         for _ in range(args.fresh if code == 0 else 0):
             env["MASTER_PORT"] = str(_free_port())
             cmd = [sys.executable, __file__, "--fresh-worker", str(work), "--gb", str(args.gb)]
             cmd += ["--timeline"] if args.timeline else []
+            cmd += ["--replicated"] if args.replicated else []
             procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r)}) for r in range(2)]
             code = max(p.wait() for p in procs)
             if code:
