@@ -1260,6 +1260,35 @@ def test_a_dcp_item_not_where_its_layout_was_guessed_is_noticed_and_the_file_rea
         assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(want[k])) for k, v in st.items())
 
 
+def test_another_ranks_dcp_file_read_whole_is_read_again_where_an_item_is_not_where_guessed(tmp_path, caplog):
+    """Rank 0's share of a two-rank DDP load (driven in one process), with an item of rank 1's
+    file, which rank 0 reads whole too (it needs all of its tensors), not where its layout was
+    guessed: that file is read again, every item's headers first, and the state is exactly
+    the checkpoint's."""
+    import logging
+
+    from ftkit.checkpoint.dcp import load_sharded, sharded_keys
+    from ftkit.checkpoint.dcp_reader import StreamingReader
+    from ftkit.checkpoint.format.manifest import validate_dir
+
+    root = tmp_path / "ck"
+    run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7", "--hidden", "2048"], 2)
+    step = root / "step-00000007"
+    _grow_dcp_item(step, "__1_0.distcp", 40)
+    reference, state = _dcp_reference_and_live(root, hidden=2048)
+    reader = StreamingReader(step / "dcp", validate_dir(step).files, rank=0, world_size=2)
+    reader.prefetch()
+    try:
+        with caplog.at_level(logging.INFO, logger="ftkit.checkpoint.dcp_reader"):
+            load_sharded(state, sharded_keys(state), step, reader=reader)
+    finally:
+        reader.close()
+    assert "__1_0.distcp: the item at byte" in caplog.text and "reading it again" in caplog.text
+    assert reader.files_read == ["__0_0.distcp", "__1_0.distcp"]
+    assert_same_values(reference["model"].state_dict(), state["model"].state_dict(), "model")
+    assert_same_values(reference["optimizer"].state_dict(), state["optimizer"].state_dict(), "optimizer")
+
+
 def _recording(init, into: list):
     def record(self, *args, **kwargs):
         init(self, *args, **kwargs)

@@ -324,17 +324,8 @@ class StreamingReader(dcp.FileSystemReader):
             return
         tensors = {fqn for fqn, meta in metadata.state_dict_metadata.items()
                    if isinstance(meta, TensorStorageMetadata)}
-        spans = sorted({(info.offset, info.offset + info.length) for index, info in storage.items()
-                        if info.relative_path == names[0] and index.fqn in tensors})
-        values = sorted({(info.offset, info.offset + info.length) for index, info in storage.items()
-                         if info.relative_path == names[0] and index.fqn not in tensors})
-        chunks = {(fqn, tuple(chunk.offsets)): (meta.properties.dtype, tuple(chunk.sizes))
-                  for fqn, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)
-                  for chunk in meta.chunks}
-        shapes = {info.offset: chunks[key] for index, info in storage.items()
-                  if info.relative_path == names[0] and (key := (index.fqn, tuple(index.offset or ()))) in chunks}
         try:
-            read = self._early[names[0]] = _FileRead(self, names[0], spans, values, shapes)
+            read = self._early[names[0]] = self._begin(names[0], metadata)
         except CheckpointError:  # not in the manifest: read_data reports it
             return
         # the values of files other ranks read whole (DCP stores a value every rank holds in one
@@ -345,6 +336,25 @@ class StreamingReader(dcp.FileSystemReader):
         # its small reads go first, alone: this thread's Python work would hold the GIL they
         # need after each read, and a bulk read would queue them behind its pieces
         read.headers_read.wait()
+
+    def _begin(self, name: str, metadata: Metadata, *, cached: bool = False) -> _FileRead:
+        """A read of file ``name`` begun before DCP has planned it: its items' places from the
+        metadata (guessed from a few of their headers), its bulk streaming into the staging
+        buffers until ``give`` says where the bytes go. Raises :class:`CheckpointError` for a
+        file the manifest lacks."""
+        storage = metadata.storage_data or {}
+        tensors = {fqn for fqn, meta in metadata.state_dict_metadata.items()
+                   if isinstance(meta, TensorStorageMetadata)}
+        spans = sorted({(info.offset, info.offset + info.length) for index, info in storage.items()
+                        if info.relative_path == name and index.fqn in tensors})
+        values = sorted({(info.offset, info.offset + info.length) for index, info in storage.items()
+                         if info.relative_path == name and index.fqn not in tensors})
+        chunks = {(fqn, tuple(chunk.offsets)): (meta.properties.dtype, tuple(chunk.sizes))
+                  for fqn, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)
+                  for chunk in meta.chunks}
+        shapes = {info.offset: chunks[key] for index, info in storage.items()
+                  if info.relative_path == name and (key := (index.fqn, tuple(index.offset or ()))) in chunks}
+        return _FileRead(self, name, spans, values, shapes, cached=cached)
 
     def _read_values(self, ranges: list[tuple[str, int, int]]) -> None:
         """Read the items at ``(file, offset, length)`` into :attr:`_values` with small direct
@@ -405,6 +415,9 @@ class StreamingReader(dcp.FileSystemReader):
         others = [item for name, items in per_file.items() if name not in mine and name not in theirs for item in items]
         if not plain:
             try:
+                for name in theirs:  # begun now, beside this rank's own file: by the time that is
+                    if name not in self._early:  # read, their headers are read and their bulk staged
+                        self._early[name] = self._begin(name, self.read_metadata(), cached=self._shared)
                 for name in [*mine, *theirs]:  # whole, checked as it arrives; the items this rank needs land
                     early = self._early.pop(name, None)
                     if name in per_file or early is not None:
@@ -424,7 +437,7 @@ class StreamingReader(dcp.FileSystemReader):
                         except _GuessWrong as exc:  # its tensors got bytes from the wrong places
                             log.info("%s; reading it again, its items' headers first", exc)
                             read.undo()  # what was set aside is what they held before
-                            read = _FileRead(self, name, None)
+                            read = _FileRead(self, name, None, cached=self._shared and name in theirs)
                             read.give(per_file.get(name, []), planner)
                             read.finish(planner)
                         except BaseException:  # it streams into the tensors: done before the load goes on
