@@ -553,7 +553,10 @@ def worker_2ranks(variant: str, gb: float, work: Path, rounds: int, settle_s: fl
     file and each rank reads back only its own (a sharded checkpoint, without FSDP on a CPU).
     ``ftkit-dcp2``: ftkit's Checkpointer with world_size=2 (state files + DCP + manifest);
     ``dcp2``: plain ``dcp.save``/``dcp.load``. The raw read: each rank its own files at once
-    (``rank-R.pt`` and ``dcp/__R_*.distcp``; rank 0 also the rest), as the load needs them."""
+    (``rank-R.pt`` and ``dcp/__R_*.distcp``; rank 0 also the rest), as the load needs them.
+    ``ftkit-ddp2`` and ``ddp2``: the same, but each rank holds the whole state, the same on both
+    (a DDP job's): DCP stores each tensor once, about half in each rank's file, and each rank
+    loads both; its raw read is then every ``.distcp`` file too."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -561,25 +564,27 @@ def worker_2ranks(variant: str, gb: float, work: Path, rounds: int, settle_s: fl
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    torch.manual_seed(rank)
-    layers = max(1, round(gb * 1e9 / BYTES_PER_LAYER / 2))
-    model = torch.nn.ModuleDict({f"r{rank}_{i}": torch.nn.Linear(LAYER, LAYER) for i in range(layers)})
+    replicated = variant in ("ftkit-ddp2", "ddp2")
+    torch.manual_seed(0 if replicated else rank)
+    layers = max(1, round(gb * 1e9 / BYTES_PER_LAYER / (1 if replicated else 2)))
+    model = torch.nn.ModuleDict({f"l{i}" if replicated else f"r{rank}_{i}": torch.nn.Linear(LAYER, LAYER)
+                                 for i in range(layers)})
     model.to(DEVICE)  # --device cuda: both ranks' state on the one GPU
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     opt.step()
     state = {"model": model, "optimizer": opt}
-    out: dict = {"variant": variant, "bytes": 2 * sum(p.numel() * 4 * 3 for p in model.parameters())}
+    out: dict = {"variant": variant, "bytes": (1 if replicated else 2) * sum(p.numel() * 4 * 3 for p in model.parameters())}
 
     def mine(step_dir: Path) -> list[Path]:
         every = _files_under(step_dir)
-        own = [p for p in every if p.name == f"rank-{rank:05d}.pt" or p.name.startswith(f"__{rank}_")]
+        own = [p for p in every if p.name == f"rank-{rank:05d}.pt" or p.name.startswith("__" if replicated else f"__{rank}_")]
         if rank == 0:  # the rest (.metadata, manifest.json)
             own += [p for p in every if not p.name.startswith(("rank-", "__"))]
         return own
 
-    if variant == "ftkit-dcp2":
+    if variant in ("ftkit-dcp2", "ftkit-ddp2"):
         from ftkit.checkpoint import CheckpointConfig, make_manager
 
         cfg = CheckpointConfig(root=work / "ck", keep_last=None)
@@ -723,8 +728,8 @@ def _loop(model, opt, work: Path, rounds: int = 3) -> dict:
 
 # ---------------------------------------------------------------- driver
 VARIANTS = ["raw-write", "copy", "torch.save", "dcp", "dcp-async", "ftkit-async", "ftkit-shm", "ftkit-dcp2", "dcp2",
-            "loop"]
-TWO_RANKS = ("ftkit-dcp2", "dcp2")
+            "ftkit-ddp2", "ddp2", "loop"]
+TWO_RANKS = ("ftkit-dcp2", "dcp2", "ftkit-ddp2", "ddp2")
 
 
 def run_variant(variant: str, gb: float, base_dir: Path, rounds: int, settle_s: float, device: str = "cpu",
@@ -834,7 +839,7 @@ def report(gb: float, res: dict[str, dict]) -> list[dict]:
 
 def _report_loads(res: dict[str, dict], goal) -> None:
     """Cold resume: each load against the raw cold read of the same files in the same process."""
-    rows = [(v, res[v]) for v in ("torch.save", "dcp", "ftkit-async", "ftkit-shm", "ftkit-dcp2", "dcp2")
+    rows = [(v, res[v]) for v in ("torch.save", "dcp", "ftkit-async", "ftkit-shm", "ftkit-dcp2", "dcp2", "ftkit-ddp2", "ddp2")
             if "load_runs" in res.get(v, {})]
     if not rows:
         return
@@ -860,7 +865,7 @@ def _report_loads(res: dict[str, dict], goal) -> None:
     if "load_only_s" in r:
         print(f"    ftkit-dcp2, its only checkpoint (nothing older to fall back on): load {r['load_only_s']:.3f}s "
               f"({_runs(r['load_only_runs'])}); load / read {r['read_only_s'] / r['load_only_s']:.2f}")
-    for name, others in (("ftkit-async", ("torch.save", "dcp")), ("ftkit-dcp2", ("dcp2",))):
+    for name, others in (("ftkit-async", ("torch.save", "dcp")), ("ftkit-dcp2", ("dcp2",)), ("ftkit-ddp2", ("ddp2",))):
         r = res.get(name, {})
         if "load_runs" not in r:
             continue
