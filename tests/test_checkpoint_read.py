@@ -1140,9 +1140,8 @@ def test_a_ddp_rank_reads_the_other_ranks_dcp_file_whole_too_not_through_dcps_re
     page cache instead. A byte flipped in rank 1's file is found by rank 0's read."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from ftkit.checkpoint.dcp import failure_of, load_sharded, sharded_keys
+    from ftkit.checkpoint.dcp import failure_of
     from ftkit.checkpoint.dcp_reader import CorruptFile, StreamingReader
-    from ftkit.checkpoint.format.manifest import validate_dir
 
     root = tmp_path / "ck"  # files of ~120 KB: more than their headers' small reads
     run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7", "--hidden", "2048"], 2)
@@ -1153,13 +1152,7 @@ def test_a_ddp_rank_reads_the_other_ranks_dcp_file_whole_too_not_through_dcps_re
     real_read_data = FileSystemReader.read_data
     monkeypatch.setattr(FileSystemReader, "read_data",
                         lambda self, plan, planner: theirs.append(len(plan.items)) or real_read_data(self, plan, planner))
-    files = validate_dir(step).files
-    reader = StreamingReader(step / "dcp", files, rank=0, world_size=2)
-    reader.prefetch()
-    try:
-        load_sharded(state, sharded_keys(state), step, reader=reader)
-    finally:
-        reader.close()
+    reader = _load_as_rank0_of_two(step, state)
     assert reader.files_read == ["__0_0.distcp", "__1_0.distcp"] and not theirs
     other = step / "dcp" / "__1_0.distcp"
     bulk = [r for r in reads.bulk if r[0] == other.stat().st_ino]
@@ -1172,12 +1165,7 @@ def test_a_ddp_rank_reads_the_other_ranks_dcp_file_whole_too_not_through_dcps_re
         for p in state["model"].parameters():
             p.add_(1.0)
     reads.bulk.clear()
-    reader = StreamingReader(step / "dcp", files, rank=0, world_size=2, shared=True)
-    reader.prefetch()
-    try:
-        load_sharded(state, sharded_keys(state), step, reader=reader)
-    finally:
-        reader.close()
+    reader = _load_as_rank0_of_two(step, state, shared=True)
     assert reader.files_read == ["__0_0.distcp", "__1_0.distcp"] and not theirs
     own = (step / "dcp" / "__0_0.distcp").stat().st_ino
     assert [r for r in reads.bulk if r[0] == own] and all(d for i, _, _, d in reads.bulk if i == own)
@@ -1185,16 +1173,31 @@ def test_a_ddp_rank_reads_the_other_ranks_dcp_file_whole_too_not_through_dcps_re
     assert not any(d for i, _, _, d in reads.bulk if i == other.stat().st_ino)
     assert_same_values(reference["model"].state_dict(), state["model"].state_dict(), "model")
     _flip_dcp_file(root, 7, 1)
-    reader = StreamingReader(step / "dcp", files, rank=0, world_size=2)
-    reader.prefetch()
-    try:
-        with pytest.raises(BaseException) as caught:
-            load_sharded(state, sharded_keys(state), step, reader=reader)
-    finally:
-        reader.close()
+    readers: list[StreamingReader] = []
+    with pytest.raises(BaseException) as caught:
+        _load_as_rank0_of_two(step, state, made=readers)
     failure = failure_of(caught.value)  # DCP's CheckpointException holds the reader's
     assert isinstance(failure, CorruptFile) and "__1_0.distcp" in str(failure), failure
-    assert reader.files_read == ["__0_0.distcp"]
+    assert readers[0].files_read == ["__0_0.distcp"]
+
+
+def _load_as_rank0_of_two(step, state, made: list | None = None, **kwargs):
+    """Rank 0's share of a two-rank load of ``step`` into ``state``, in this process: its
+    :class:`StreamingReader` (``kwargs``), prefetched, then ``load_sharded``; the reader
+    (also appended to ``made``, for a load that raises)."""
+    from ftkit.checkpoint.dcp import load_sharded, sharded_keys
+    from ftkit.checkpoint.dcp_reader import StreamingReader
+    from ftkit.checkpoint.format.manifest import validate_dir
+
+    reader = StreamingReader(step / "dcp", validate_dir(step).files, rank=0, world_size=2, **kwargs)
+    if made is not None:
+        made.append(reader)
+    reader.prefetch()
+    try:
+        load_sharded(state, sharded_keys(state), step, reader=reader)
+    finally:
+        reader.close()
+    return reader
 
 
 def _grow_dcp_item(step, name: str, by: int) -> tuple[int, int]:
@@ -1267,22 +1270,13 @@ def test_another_ranks_dcp_file_read_whole_is_read_again_where_an_item_is_not_wh
     the checkpoint's."""
     import logging
 
-    from ftkit.checkpoint.dcp import load_sharded, sharded_keys
-    from ftkit.checkpoint.dcp_reader import StreamingReader
-    from ftkit.checkpoint.format.manifest import validate_dir
-
     root = tmp_path / "ck"
     run_ranks(["train", "--root", str(root), "--steps", "7", "--stop-at", "7", "--hidden", "2048"], 2)
     step = root / "step-00000007"
     _grow_dcp_item(step, "__1_0.distcp", 40)
     reference, state = _dcp_reference_and_live(root, hidden=2048)
-    reader = StreamingReader(step / "dcp", validate_dir(step).files, rank=0, world_size=2)
-    reader.prefetch()
-    try:
-        with caplog.at_level(logging.INFO, logger="ftkit.checkpoint.dcp_reader"):
-            load_sharded(state, sharded_keys(state), step, reader=reader)
-    finally:
-        reader.close()
+    with caplog.at_level(logging.INFO, logger="ftkit.checkpoint.dcp_reader"):
+        reader = _load_as_rank0_of_two(step, state)
     assert "__1_0.distcp: the item at byte" in caplog.text and "reading it again" in caplog.text
     assert reader.files_read == ["__0_0.distcp", "__1_0.distcp"]
     assert_same_values(reference["model"].state_dict(), state["model"].state_dict(), "model")
