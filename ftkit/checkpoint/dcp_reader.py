@@ -466,8 +466,8 @@ class StreamingReader(dcp.FileSystemReader):
     def _mostly_needed(self, per_file: Mapping[str, list[Any]], mine: Sequence[str]) -> list[str]:
         """The files another rank checks whose bytes this rank needs at least half of: a model
         every rank holds whole (DDP's), whose tensors DCP stored once, each in one rank's file,
-        while every rank loads all of them. Read whole here too, after this rank's own files,
-        rather than item by item through DCP's reader (buffered reads and a ``torch.load`` per
+        while every rank loads all of them. Read whole here too (begun beside this rank's own
+        file, placed after it), rather than item by item through DCP's reader (buffered reads and a ``torch.load`` per
         item: 0.58 of the raw read, two ranks, 0.25 GB). Each is checked as it streams, as its
         own rank checks it (``O_DIRECT`` unless :attr:`_shared`: with two ranks on a host, as
         much from the disk as its own rank's read and this one's through the page cache)."""
