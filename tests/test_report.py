@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -193,6 +194,29 @@ def test_report_on_a_previous_release_log_says_what_it_cannot_know(tmp_path: Pat
     assert any("GPUs per node unknown" in n for n in report["notes"])
     text = ftkit_cli("report", str(jobdir)).stdout
     assert "note: written before ftkit recorded timing facts" in text
+
+
+def test_a_run_stopped_by_the_kill_switch_at_start_is_not_reported_as_a_fresh_start(tmp_path: Path) -> None:
+    """A run that finds the kill-switch at start exits without looking for a checkpoint: the
+    report says it did not load one, not that it started over, and the next run resumes."""
+    jobdir = tmp_path / "job"
+
+    def run(*extra: str) -> int:
+        return subprocess.run([sys.executable, str(PROGRAM), str(jobdir), "1000", "0.01", "5", *extra],
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120).returncode
+
+    assert run("--die-after", "0.3") == -signal.SIGKILL  # fresh start, checkpoints, then killed
+    ftkit_cli("kill", str(jobdir))
+    assert run() == 0
+    ftkit_cli("kill", "--clear", str(jobdir))
+    assert run("--die-after", "0.1") == -signal.SIGKILL
+    rows = json.loads(ftkit_cli("report", str(jobdir), "--json").stdout)["runs"]
+    assert [r["resumed"] for r in rows] == [True, False, True], rows
+    assert rows[0]["resumed_from"] is None and rows[1]["resumed_from"] is None
+    assert rows[2]["resumed_from"] == rows[0]["last_durable"] > 0, rows
+    narrow = ftkit_cli("report", str(jobdir), columns=80).stdout  # a few lines per run
+    shown = re.findall(r"resumed from (.+), last durable", narrow)
+    assert shown == ["fresh", "not loaded", str(rows[0]["last_durable"])], narrow
 
 
 def test_report_in_a_narrow_terminal_cuts_nothing_short(tmp_path: Path) -> None:

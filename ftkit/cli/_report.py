@@ -113,12 +113,21 @@ def _restart(r: dict[str, Any], most: int | None = None) -> str:
     return _dur((r.get("buckets") or {}).get("restart")) + (f" ({named})" if named else "")
 
 
+def _resumed_from(r: dict[str, Any]) -> str:
+    """The step a run loaded, "fresh" where it found no checkpoint, "not loaded" where it did
+    not look (a kill-switch at start, a loop of ``check()`` without ``resume()``): such a run
+    did not start over, and the job's checkpoints are still there for the next."""
+    if r["resumed_from"] is not None:
+        return str(r["resumed_from"])
+    return "fresh" if r["resumed"] else "not loaded"
+
+
 def _run_cells(r: dict[str, Any]) -> dict[str, str]:
     end = _clock(r["end"]) + ("" if r["end_known"] else " (last record)")
     return {"run": str(r["run"]), "job / restart": f"{r['job_id'] or '-'} / {r['restart_count']}",
             "nodes / ranks": f"{r['nodes'] or '?'} / {r['world_size']}", "start": _clock(r["start"]),
             "first step": _clock(r["first_step"]), "end": end, "steps": f"{r['steps']} (to {r['last_step']})",
-            "exit": r["cause"], "resumed from": "fresh" if r["resumed_from"] is None else str(r["resumed_from"]),
+            "exit": r["cause"], "resumed from": _resumed_from(r),
             "restart cost": _restart(r, most=2), "last durable": "-" if r["last_durable"] is None else str(r["last_durable"])}
 
 
