@@ -67,6 +67,9 @@ def _assert_resumed(before: list[dict], after: list[dict]) -> None:
         assert rep["final"]["step"] == rep["resumed"]["step"] + len(rep["losses"])
     rule = [rep for rep in after if "was saved by" in rep["log"]]
     assert [rep["rank"] for rep in rule] == [0], f"{hop}: the rule is logged once, by rank 0"
+    # the job's log says where it went on from, at Python's default logging (warnings), once
+    said = [rep["rank"] for rep in after if f"ftkit resume: step {saved['step']} from " in rep["log"]]
+    assert said == [0] and f"written by {len(before)} rank(s)" in after[0]["log"], (hop, after[0]["log"])
     assert all("is not in the checkpoint" not in rep["log"] for rep in after)
 
 
@@ -77,6 +80,9 @@ def _chain(tmp_path: Path, runs: list[tuple[int, int]], *flags: str, jobdir: Pat
         reports.append(_run(jobdir, world, total, tmp_path / f"run{i}-{world}", *flags))
         if i:
             _assert_resumed(reports[-2], reports[-1])
+        else:  # a fresh job dir: said as plainly
+            said = [rep["rank"] for rep in reports[-1] if "ftkit resume: no valid checkpoint in " in rep["log"]]
+            assert said == [0], reports[-1][0]["log"]
     return reports
 
 

@@ -303,7 +303,7 @@ class Checkpointer(CheckpointManager):
         """
         self.commits.unfork()  # the last load decides where this run goes on from
         if step is None and self.config.resume == "never":
-            log.info("checkpoint.resume is 'never': starting fresh")
+            self._say("ftkit resume: checkpoint.resume is 'never': starting fresh")
             self.commits.fork(None)  # the root's checkpoints are another history's
             return None
         began = time.monotonic()  # the load event splits finding/validating from reading
@@ -467,7 +467,8 @@ class Checkpointer(CheckpointManager):
             if not problem:
                 self.loaded = info
                 restored = int(self.loaded.step)
-                log.info("resumed from checkpoint %s", path)
+                self._say("ftkit resume: step %d from %s (written by %s rank(s), read in %.2f s)", restored, path,
+                          info.world_size or "?", time.monotonic() - found)
                 self._emit("load", step=restored, path=str(path),
                            saved_world_size=self.loaded.world_size, world_size=self.world_size,
                            find_seconds=round(found - began, 6), read_seconds=round(time.monotonic() - found, 6))
@@ -499,8 +500,16 @@ class Checkpointer(CheckpointManager):
             raise NoCheckpointError(
                 f"checkpoint.resume is 'required' but there is no valid checkpoint in {self.root}{detail}"
             )
-        log.info("no valid checkpoint in %s: starting fresh", self.root)
+        self._say("ftkit resume: no valid checkpoint in %s: starting fresh", self.root)
         return None
+
+    def _say(self, message: str, *args: Any) -> None:
+        """Where this run goes on from, in the job's log: rank 0 logs it as a warning (a default
+        ``logging`` set-up shows warnings only, as ftkit's decisions; a requeued job's output
+        then says whether it resumed, from which step, or started over), the other ranks at
+        INFO. The record carries ``ftkit_notice`` (routine, not a problem) for handlers that
+        colour by level."""
+        log.log(logging.WARNING if self.rank == 0 else logging.INFO, message, *args, extra={"ftkit_notice": True})
 
     def _check_here(self, path: Path, info: CheckpointInfo, *, streamed: bool = False, whole: bool = False) -> str:
         """This rank's part of validating ``path``: sizes, and the checksums of what is not

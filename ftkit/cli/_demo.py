@@ -130,7 +130,9 @@ def _logs_above(console: Any) -> Iterator[None]:
         def emit(self, record: logging.LogRecord) -> None:
             # the level shows as a colour: ftkit logs its decisions as warnings so that they
             # reach a job's log, which on this screen would read as something gone wrong
-            style = "red" if record.levelno >= logging.ERROR else "yellow" if record.levelno >= logging.WARNING else ""
+            # (where the run goes on from is a warning too, but routine: ``ftkit_notice``)
+            style = "red" if record.levelno >= logging.ERROR else "yellow" if record.levelno >= logging.WARNING \
+                and not getattr(record, "ftkit_notice", False) else ""
             try:
                 console.print(self.format(record), style=style, markup=False, highlight=False)
             except Exception:  # logging must never break the run
