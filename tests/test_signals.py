@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from ftkit.triggers.signals import SignalConfig, SignalTrigger, parse_signal
 from tests.conftest import wait_for
 
 PROGRAM = Path(__file__).parent / "programs" / "check_loop.py"
+TRAIN = Path(__file__).parent / "programs" / "goodput_loop.py"
 
 
 def start_loop(jobdir: Path, steps: int = 2000, step_seconds: float = 0.01, *extra: str) -> subprocess.Popen:
@@ -273,3 +276,55 @@ def test_real_signal_with_a_raising_handler_installed_before_saves_and_exits_cle
     # the signal is ftkit's: the previous handler (which would exit) is never called
     assert save["reason"] == f"{sig.name} received"
     assert not (jobdir / "previous-handler-called").exists()
+
+
+def _writing(proc: subprocess.Popen, root: Path, since: float) -> bool:
+    """``proc`` ended, or a checkpoint is being written that was begun after ``since`` (the
+    sentinel of an earlier run's interrupted one may still be there)."""
+    sentinels = (d / "checkpoint-is-incomplete" for d in root.iterdir())
+    return proc.poll() is not None or any(s.exists() and s.stat().st_mtime > since for s in sentinels)
+
+
+def test_ctrl_c_twice_while_a_checkpoint_is_written_ends_the_process_as_interrupted_not_aborted(tmp_path) -> None:
+    """The second Ctrl-C lands while the first one's checkpoint is being written (its sentinel
+    there: torch.save is calling ftkit's writer). KeyboardInterrupt ends the process as an
+    interrupt, exit -SIGINT, not SIGABRT from a C++ destructor (torch's zip writer, left
+    unended, ended itself as it was freed, through a writer that had given up), and the next
+    run resumes from the newest valid checkpoint, past the one left incomplete."""
+    from ftkit.checkpoint import validate_dir
+
+    jobdir, root = tmp_path / "job", tmp_path / "job" / "checkpoints"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+
+    def start() -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, str(TRAIN), str(jobdir), "1000000", "0.002", "0", "--state-mb", "192"],
+                                env=env, stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: proc.poll() is not None or any(
+            line.split()[0] == str(proc.pid) for line in (jobdir / "steps.log").read_text().splitlines()[-3:])
+            if (jobdir / "steps.log").exists() else proc.poll() is not None, 60, what="training steps")
+        return proc
+
+    def valid() -> list[int]:
+        return sorted(int(d.name.split("-")[1]) for d in root.iterdir() if validate_dir(d).valid)
+
+    proc = start()
+    proc.send_signal(signal.SIGINT)  # once: save and exit
+    assert proc.communicate(timeout=120)[1] is not None and proc.returncode == 0
+    [saved] = valid()
+    for _ in range(3):
+        began = time.time()
+        proc = start()
+        proc.send_signal(signal.SIGINT)
+        wait_for(functools.partial(_writing, proc, root, began), 60, interval=0.0005, what="the checkpoint being written")
+        proc.send_signal(signal.SIGINT)  # twice: out at once
+        err = proc.communicate(timeout=120)[1]
+        rc = proc.returncode
+        assert "terminate called" not in err and rc == -signal.SIGINT, (rc, err[-3000:])
+        assert "KeyboardInterrupt" in err
+        saved = max(valid())
+    proc = start()  # resumes from the newest valid checkpoint, the interrupted one skipped
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 0, err
+    resumes = [e for e in read_events(jobdir / "events.jsonl") if e["event"] == "resume"]
+    assert resumes[-1]["step"] == saved, resumes

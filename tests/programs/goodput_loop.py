@@ -6,7 +6,7 @@
 Trains a small linear model; each step sleeps STEP_SECONDS (the "compute"). SAVE_EVERY is a
 step count or ``auto``. Every completed step is appended to JOBDIR/steps.log as
 ``pid step wall-time`` (the truth the report is checked against). SIGUSR1 saves and exits
-asking for a requeue. ``--fail-rate R`` makes the process kill itself with SIGKILL with
+asking for a requeue; SIGINT saves and exits (Ctrl-C twice within 2 s: at once). ``--fail-rate R`` makes the process kill itself with SIGKILL with
 probability R per step (an injected crash, from its own seeded generator); ``--die-after S``
 kills it once its loop has run S seconds (a failure schedule the caller draws). ``--state-mb``
 adds a buffer of that size to the checkpointed state (a checkpoint that costs something).
@@ -48,7 +48,7 @@ def main() -> int:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     every = args.save_every if args.save_every == "auto" else int(args.save_every)
     config = ftkit.Config(
-        signals=ftkit.SignalConfig(actions={"USR1": "requeue", "TERM": "save-exit"}),
+        signals=ftkit.SignalConfig(actions={"USR1": "requeue", "TERM": "save-exit", "INT": "save-exit"}),
         budget=ftkit.BudgetConfig(enabled=False),
         save_every=every or None,
         save_at_end=True,

@@ -161,6 +161,7 @@ class HashingWriter:
         self._written_back = 0
         self.error: OSError | None = None  # torch.save turns write errors into RuntimeError
         self._crc = _CrcThread()
+        self._aborted = False
         ranges = sorted({(int(a), int(a) + int(n)) for a, n in stable if n > 0})
         self._starts = [a for a, _ in ranges]
         self._ends = [b for _, b in ranges]
@@ -169,6 +170,8 @@ class HashingWriter:
         view = memoryview(data).cast("B")
         if not view.nbytes:
             return 0
+        if self._aborted:  # the file is given up: torch's zip writer may still write its end
+            return view.nbytes  # records as it is freed, in a C++ destructor, where raising aborts the process
         done = None if self._staged_crc else self._queue_crc(view)
         try:
             n = self._f.write(view)
@@ -261,7 +264,11 @@ class HashingWriter:
         self._crc.stop(wait=True)
 
     def abort(self) -> None:
-        """Close without fsync after a failure; the caller leaves the file marked incomplete."""
+        """Close without fsync after a failure; the caller leaves the file marked incomplete.
+        Later writes are taken and dropped (:meth:`write`)."""
+        if self._aborted:
+            return
+        self._aborted = True
         self._crc.stop(wait=False)
         with contextlib.suppress(OSError):
             if self.direct:
@@ -297,7 +304,7 @@ class _CrcThread:
             raise ValueError("write to a closed HashingWriter")
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="ftkit-crc32", daemon=True)
-            self._thread.start()
+            self._thread.start()  # stop() ends it even if Ctrl-C twice interrupts this
         self._queue.put((buf, done))
 
     def _run(self) -> None:
@@ -317,12 +324,17 @@ class _CrcThread:
     def stop(self, *, wait: bool) -> None:
         """End the thread; ``wait=False`` skips the CRC of what is still queued."""
         self._stopped = True
-        if self._thread is None:
+        thread, self._thread = self._thread, None
+        if thread is None:
             return
         self._abort = self._abort or not wait
-        self._queue.put(None)
-        self._thread.join()
-        self._thread = None
+        self._queue.put(None)  # also ends a thread whose start() was interrupted, once it runs
+        try:
+            thread.join()
+        except RuntimeError:  # not started: KeyboardInterrupt (Ctrl-C twice) in start(), before
+            if wait:  # it had checksummed anything
+                raise RuntimeError("CRC-32 thread never started: the checksum is unknown") from None
+            return
         if wait and self.error is not None:
             raise RuntimeError(f"CRC-32 thread failed: {self.error}") from self.error
 

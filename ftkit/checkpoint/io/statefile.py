@@ -100,7 +100,15 @@ def _torch_save(payload: Any, writer: HashingWriter) -> None:
         return
     alignment = max(BLOCK, ser._get_storage_alignment()) if writer.direct else ser._get_storage_alignment()
     zip_file = torch._C.PyTorchFileWriter(writer, False, alignment)  # type: ignore[call-overload]
-    ser._save(payload, zip_file, pickle, ser.DEFAULT_PROTOCOL, False)
+    try:
+        ser._save(payload, zip_file, pickle, ser.DEFAULT_PROTOCOL, False)
+    except BaseException:  # a write failed (ENOSPC), or Ctrl-C twice raised inside one
+        writer.abort()
+        # end the archive now, its writes dropped: unended, the writer ends it when it is freed,
+        # in a C++ destructor, and a failure there (its offsets no longer match) aborts the process
+        with contextlib.suppress(BaseException):
+            zip_file.write_end_of_file()
+        raise
     zip_file.write_end_of_file()
     writer.flush()
 
