@@ -270,6 +270,9 @@ def test_lease_refused_is_never_requeued(jobdir, env, how) -> None:
     assert d.reason.startswith(f"another run holds the job dir {jobdir}")
     if how == "event":
         assert "job 99 (restart 0) on n1 pid 4242" in d.reason
+    # the code the launcher gave: torchrun's 1 is not called 86
+    said = "exited with code 86" if how == "exit-code" else "its launcher exited with code 1"
+    assert said in d.reason and ("code 86" in d.reason) == (how == "exit-code"), d.reason
 
 
 def test_lease_refused_of_another_job_does_not_count(jobdir, env) -> None:

@@ -235,9 +235,11 @@ def _never_had_the_job_dir(facts: RunFacts, verdict: _Verdict) -> RequeueDecisio
     if refused is not None or facts.exit_code == EXIT_JOBDIR_BUSY:
         holder = (refused or {}).get("holder") or {}
         who = holder.get("holder") if isinstance(holder, dict) else None
+        how = f"exited with code {EXIT_JOBDIR_BUSY}" if facts.exit_code == EXIT_JOBDIR_BUSY else \
+            f"was refused it (lease-refused; its launcher exited with code {facts.exit_code})"
         return verdict(False, "lease refused", f"another run holds the job dir {job.root}"
-                       + (f" ({who})" if who else "") + f": this run exited with code {EXIT_JOBDIR_BUSY} "
-                       "without touching it (lease-refused); not requeued. Wait for that run to end, end it, "
+                       + (f" ({who})" if who else "") + f": this run {how} "
+                       "without touching it; not requeued. Wait for that run to end, end it, "
                        f"or give this job another job dir; `ftkit status {job.root}` shows the holder",
                        EXIT_JOBDIR_BUSY)
     return None
