@@ -45,6 +45,7 @@ def test_kill_switch_present_at_start_exits_at_once_without_saving(tmp_path: Pat
     got = decisions(tmp_path)
     assert got[0]["step"] == 1 and got[0]["action"] == "EXIT" and got[0]["requeue"] is False
     assert "present at start" in got[0]["reasons"][0]
+    assert len(got[0]["reasons"]) == 1, got[0]["reasons"]  # said once, not again as "kill-switch touched"
     assert (tmp_path / "kill-switch").exists()  # the kill-switch stays
     assert not (tmp_path / "checkpoints").exists()  # nothing new was saved
     assert ftkit_cli("kill", "--clear", str(tmp_path)).returncode == 0

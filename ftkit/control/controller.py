@@ -403,8 +403,10 @@ class FaultTolerance:
         reasons += [f"{_signal_name(n)} received by another rank" for n in theirs]
         named = local | ({Source.SIGNAL} if theirs else set())
         reasons += [f"{s.value} (seen by another rank)" for s in sorted(sources - named, key=lambda s: s.value)]
-        if self._no_save_at_start:
-            reasons.insert(0, f"kill-switch {self.job.kill_switch} present at start: exiting without saving")
+        if self._no_save_at_start:  # the switch's own request says less: said once
+            switch = {r.reason for r in self._pending if r.source is Source.KILL_SWITCH}
+            reasons = [f"kill-switch {self.job.kill_switch} present at start: exiting without saving",
+                       *(x for x in reasons if x not in switch)]
         decision = Decision(step, action, requeue, pin, sources, tuple(dict.fromkeys(reasons)))
         self._pending.clear()
         wall = self._wallclock()
