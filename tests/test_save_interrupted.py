@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import types
 import zlib
 from pathlib import Path
 
@@ -101,3 +102,35 @@ def test_a_crc_thread_whose_start_is_interrupted_is_given_up_cleanly(tmp_path, m
     fine.write(b"z" * 4096)
     fine.close()
     assert fine.checksum == f"{zlib.crc32(b'z' * 4096):08x}"
+
+
+def test_a_write_interrupted_while_its_buffer_is_checksummed_returns_only_once_it_is_read(tmp_path, monkeypatch):
+    """Ctrl-C twice while ``write`` waits for the CRC thread to finish reading the caller's
+    buffer: ``write`` raises only once the thread is done with it (torch frees the buffer as
+    the exception passes through it)."""
+    reading = threading.Event()
+    read: list[bool] = []
+
+    def slow_crc32(data, value=0):
+        reading.set()
+        threading.Event().wait(0.3)  # a large buffer
+        read.append(True)
+        return zlib.crc32(data, value)
+
+    class Interrupted(threading.Event):
+        interrupted = False
+
+        def wait(self, timeout=None):
+            if not self.interrupted:  # the first wait, as the CRC thread reads
+                self.interrupted = True
+                reading.wait()
+                raise KeyboardInterrupt
+            return super().wait(timeout)
+
+    monkeypatch.setattr(_files, "crc32", slow_crc32)
+    monkeypatch.setattr(_files, "threading", types.SimpleNamespace(**{**vars(threading), "Event": Interrupted}))
+    writer = HashingWriter(tmp_path / "f", direct=False)
+    with pytest.raises(KeyboardInterrupt):
+        writer.write(bytearray(_files._COPY_MAX + 1))  # copied to the CRC thread by reference
+    assert read == [True]
+    writer.abort()

@@ -179,8 +179,12 @@ class HashingWriter:
             self.error = exc
             raise
         finally:
-            if done is not None:
-                done.wait()  # the caller may free the buffer once write returns
+            if done is not None:  # the caller may free the buffer once write returns (or raises)
+                try:
+                    done.wait()
+                except BaseException:  # Ctrl-C twice: the CRC thread may still be reading it
+                    done.wait()
+                    raise
         self.size += view.nbytes
         if self._writeback and self.size - self._written_back >= _WRITEBACK_EVERY:
             self._start_writeback()
