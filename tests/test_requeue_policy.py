@@ -301,9 +301,15 @@ def test_finish_run_after_lease_refusal_touches_nothing(jobdir, env) -> None:
 
 
 def hang_run(jobdir: Path, *, step: int, restart: int = 0) -> None:
+    """Rank 1 (on n2) stops inside a step; rank 0 waits for it in a collective. Both watchdogs
+    fire, rank 0's event last: the one the rule names is rank 1, not the last event written."""
     trainer_run(jobdir, restart=restart)
-    EventLog(jobdir / "events.jsonl", rank=1).emit("hang", step=step, seconds=612.4, host="n2",
+    EventLog(jobdir / "events.jsonl", rank=1).emit("hang", step=step, seconds=612.4, host="n2", world_size=2,
+                                                   waiting=False, frame="train.py:40 in load_batch",
                                                    file=str(jobdir / "hangs" / "hang-rank1-n2.txt"))
+    EventLog(jobdir / "events.jsonl", rank=0).emit("hang", step=step, seconds=613.0, host="n1", world_size=2,
+                                                   waiting=True, frame="distributed_c10d.py:2800 in all_reduce",
+                                                   file=str(jobdir / "hangs" / "hang-rank0-n1.txt"))
 
 
 def test_hang_after_progress_is_requeued(jobdir, env) -> None:
@@ -314,6 +320,17 @@ def test_hang_after_progress_is_requeued(jobdir, env) -> None:
     assert "hung: the hang watchdog found rank 1 on n2 completed no step for 612 s after step 170" in d.reason
     assert "hang-rank1-n2.txt" in d.reason and "after progress to step 150" in d.reason
     assert d.run["hang_step"] == 170
+
+
+def test_a_hang_whose_culprit_wrote_no_event_names_it_all_the_same(jobdir, env) -> None:
+    """Rank 1 was stopped (no heartbeat since, no event of its own): rank 0, which fired, is
+    not the one named."""
+    trainer_run(jobdir)
+    EventLog(jobdir / "events.jsonl", rank=0).emit("hang", step=40, seconds=300.0, host="n1", world_size=2,
+                                                   waiting=True, file=str(jobdir / "hangs" / "hang-rank0-n1.txt"))
+    d = run_decide(jobdir, env, FakeScontrol(RUNNING), rc=87, step=30)
+    assert d.cause == "hang" and "the hang watchdog found rank 1 on ? completed no step" in d.reason, d.reason
+    assert "rank 0" not in d.reason and "hang-rank0-n1.txt" not in d.reason and d.run["hang_step"] is None
 
 
 def test_exit_code_87_alone_is_a_hang(jobdir, env) -> None:

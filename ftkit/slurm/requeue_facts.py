@@ -127,6 +127,25 @@ class RunFacts:
         }
 
 
+def _hang(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The hang this run ended in, as the rank that stopped first saw it (:func:`culprit`):
+    every rank's watchdog fires, and the last event written is as often a rank that was only
+    waiting for it. That rank's own event; where it wrote none (stopped, killed, its node
+    lost), the first rank to fire's, naming it."""
+    from ..control.hangs import culprit
+
+    hangs = [e for e in events if e.get("event") == "hang"]
+    who = culprit(hangs) if hangs else None
+    if who is None:
+        return hangs[-1] if hangs else None
+    own = [e for e in hangs if int(e.get("rank", 0)) == who["rank"]]
+    if own:
+        return own[-1]
+    first = min(hangs, key=lambda e: e.get("time", 0.0))
+    return {**first, "rank": who["rank"], "host": who["host"], "step": who["step"], "file": who["file"],
+            "seconds": None}
+
+
 def streak(runs: tuple[Mapping[str, Any], ...], match: Callable[[Mapping[str, Any]], bool]) -> int:
     """How many of the newest ``runs`` in a row ``match``."""
     n = 0
@@ -174,7 +193,7 @@ def gather(
     return RunFacts(
         jobdir=job, env=env, exit_code=int(exit_code), slurm_job=info,
         start=start, exit=_last(run_events, "exit"), resumed=_last(run_events, "resume"),
-        hang=_last(run_events, "hang"), refused=lease_refused(all_events, env),
+        hang=_hang(run_events), refused=lease_refused(all_events, env),
         clean=_clean_exit(run_events, start),
         kill_switch=switch_is_set(job, "kill"),
         requests=tuple((str(path), _contents(path)) for path in request_files(job)),

@@ -180,8 +180,10 @@ def _hang_text(hang: Mapping[str, Any] | None) -> str:
         return f"the hang watchdog ended it (exit code {EXIT_HANG}, no hang event)"
     seconds = hang.get("seconds")
     waited = f" for {seconds:.0f} s" if isinstance(seconds, (int, float)) else ""
-    where = f"rank {hang.get('rank', '?')} on {hang.get('host', '?')}"
-    text = f"the hang watchdog found {where} completed no step{waited} after step {hang.get('step')}"
+    rank, host, step = hang.get("rank"), hang.get("host") or "?", hang.get("step")
+    where = f"rank {'?' if rank is None else rank} on {host}"
+    after = "" if step is None else f" after step {step}"
+    text = f"the hang watchdog found {where} completed no step{waited}{after}"
     return text + (f" (stacks in {hang['file']})" if hang.get("file") else "")
 
 
