@@ -286,12 +286,23 @@ def test_unplanned_interruptions_are_crashes_kills_and_hangs_not_time_limits() -
         [start, ("hang", {"step": 15}), ("requeue", {"cause": "crash", "requeue": True})],
         [start, ("exit", {"step": 20, "requeue": True, "reasons": ["SIGUSR1 received"]})],
         [start, ("exit", {"step": 30, "completed": True})],
+        # a node lost: SLURM requeues the job, the trainer's peers crash (or it is killed)
+        [start, ("exit", {"step": 31, "error": "RuntimeError: Connection reset by peer"}),
+         ("requeue", {"cause": "requeued by SLURM", "requeue": True})],
+        [start, ("progress", {"step": 33}), ("requeue", {"cause": "requeued by SLURM", "requeue": True})],
+        # an admin's `scontrol requeue`: SIGTERM, a save and a clean exit
+        [start, ("exit", {"step": 35, "reasons": ["SIGTERM received"]}),
+         ("requeue", {"cause": "requeued by SLURM", "requeue": True})],
     )
     runs = parse_runs(log)
     assert [r.cause for r in runs] == ["time limit", "crash: RuntimeError: boom", "killed (no exit record)",
                                        "hang (watchdog)",
-                                       "requeue: SIGUSR1 received", "completed"]
-    assert [r.unplanned for r in runs] == [False, True, True, True, False, False]
+                                       "requeue: SIGUSR1 received", "completed",
+                                       "requeued by SLURM after a crash (a node lost?): RuntimeError: Connection "
+                                       "reset by peer",
+                                       "requeued by SLURM, its trainer killed without an exit record (a node lost?)",
+                                       "requeued by SLURM"]
+    assert [r.unplanned for r in runs] == [False, True, True, True, False, False, True, True, False]
     assert runs[2].end == runs[2].events[-1]["time"] and runs[2].last_step == 12
 
 

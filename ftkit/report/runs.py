@@ -191,6 +191,12 @@ def _cause(run: Run) -> tuple[str, bool]:
         cause = str(run.requeue["cause"])
         if run.exit is None and cause == "crash":
             cause = "crash (no exit record)"
+        if cause == "requeued by SLURM" and (run.exit is None or run.exit.get("error")):
+            # SLURM took the job back while its trainer crashed or was killed: a node lost, as
+            # a rule (a preemption is caught as such; an admin's requeue lets it exit cleanly)
+            if run.exit is not None:
+                return f"requeued by SLURM after a crash (a node lost?): {run.exit['error']}", True
+            return "requeued by SLURM, its trainer killed without an exit record (a node lost?)", True
         return cause, cause.startswith(_UNPLANNED)
     ex = run.exit
     if ex is None:
