@@ -306,6 +306,20 @@ def test_unplanned_interruptions_are_crashes_kills_and_hangs_not_time_limits() -
     assert runs[2].end == runs[2].events[-1]["time"] and runs[2].last_step == 12
 
 
+def test_a_checkpoint_the_saver_persisted_after_the_trainer_died_counts_as_steps_done() -> None:
+    """The crash-safe saver (a process of its own) persists the trainer's last snapshot, of a
+    step past the trainer's last progress record: the run got that far."""
+    from ftkit.report import parse_runs
+
+    log = _records([("start", {"process_start": 0.0}), ("progress", {"step": 30})],
+                   [("start", {"process_start": 0.0}), ("resume", {"step": 33}), ("progress", {"step": 40})])
+    log.insert(2, {"time": log[1]["time"] + 1, "event": "save", "rank": 0, "pid": 99, "step": 33,
+                   "reason": "trainer died"})
+    first, second = parse_runs(log)
+    assert (first.last_step, first.last_durable, first.cause) == (33, 33, "killed (no exit record)")
+    assert second.resume_step == 33 and second.last_step == 40
+
+
 def test_a_run_still_going_is_reported_as_running_not_killed(tmp_path: Path) -> None:
     jobdir = tmp_path / "live"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -153,6 +153,9 @@ def _run(index: int, events: list[dict[str, Any]]) -> Run:
     hang = next((e for e in events if e.get("event") == "hang"), None)
     if hang is not None and hang.get("step") is not None:
         steps.append(int(hang["step"]))
+    # a checkpoint of a step means the trainer got that far: the crash-safe saver persists the
+    # last snapshot after the trainer died, past its last progress record
+    steps += [int(s["step"]) for s in run.saves if s.get("step") is not None]
     run.last_step = max(steps)
     if run.exit is not None:
         run.end = float(run.exit["time"])
