@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -222,6 +223,10 @@ def test_batch_script_relays_signal_and_requeues(tmp_path: Path, sig: signal.Sig
             proc.communicate()
     assert proc.returncode == expected_rc, out
     assert "training exited with code 0" in out
+    # each line's time, made without a subshell (one forked as SLURM's SIGTERM arrives dies)
+    stamped = re.findall(r"^ftkit: (?:job .* at|SIG\w+(?: from SLURM)? at|training exited with code 0 at) "
+                         r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", out, re.M)
+    assert len(stamped) == 3, out
     log = (tmp_path / "scontrol.log").read_text()
     assert ("requeue 4242" in log) == requeued, log
     runs = json.loads((jobdir / "runs.json").read_text())["runs"]
