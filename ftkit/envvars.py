@@ -26,9 +26,9 @@ without touching the training script. Every integration reads the same variables
 ``FTKIT_REQUEUE_FALLBACK``  ``resubmit`` or ``none``: when ``scontrol requeue`` fails
 ==========================  =============================================================
 
-Variables that name themselves in a config field (``WatchdogConfig.env_var``,
-``BudgetConfig.env_var``) and ``FTKIT_TEMPLATES_DIR`` (where sbatch templates are looked
-for) are read by the component they configure.
+Variables that name themselves in a config field (``WatchdogConfig.env_var`` and
+``warmup_env_var``, ``BudgetConfig.env_var``) and ``FTKIT_TEMPLATES_DIR`` (where sbatch
+templates are looked for) are read by the component they configure.
 
 An unset or empty variable keeps the default. A value that cannot be read raises
 :class:`ftkit.errors.ConfigError` naming the variable. No torch, no transformers.

@@ -91,6 +91,20 @@ def test_a_step_that_blocks_forever_is_dumped_logged_and_ended_with_87(tmp_path:
     assert not (tmp_path / "heartbeats" / "rank0.json").exists()  # a clean close removes it
 
 
+def test_a_hang_in_a_warm_up_step_after_a_resume_is_found_as_soon_as_the_environment_allows(tmp_path: Path) -> None:
+    """A requeued run that hangs right after its resume (the same bad batch) waits out the
+    warm-up allowance, 30 min by default: FTKIT_HANG_WARMUP_TIMEOUT shortens it for one job."""
+    first = start(tmp_path, "--steps", "40", "--save-every", "5", FTKIT_TEST_HANG_STEP="12")
+    assert finish([first])[0] and first.returncode == EXIT_HANG
+    again = start(tmp_path, "--steps", "40", "--save-every", "5", FTKIT_TEST_HANG_STEP="12",
+                  FTKIT_HANG_WARMUP_TIMEOUT=str(2 * TIMEOUT))  # steps 11-13: warm-up after resuming at 10
+    out = finish([again])[0]
+    assert again.returncode == EXIT_HANG, out
+    hang = hang_events(tmp_path)[-1]
+    assert hang["step"] == 11 and hang["threshold"] == 2 * TIMEOUT and hang["why"].startswith("warm-up step 2 of 3")
+    assert 2 * TIMEOUT <= hang["seconds"] < 2 * TIMEOUT + SLACK
+
+
 @pytest.mark.skipif(shutil.which("py-spy") is None, reason="py-spy is optional and not on PATH")
 def test_native_frames_when_py_spy_is_on_path(tmp_path: Path) -> None:
     proc = start(tmp_path, "--steps", "20", FTKIT_TEST_HANG_STEP="6")
@@ -319,6 +333,13 @@ def test_config_errors_name_the_setting(monkeypatch) -> None:
     assert WatchdogConfig().resolve_timeout({"FTKIT_HANG_TIMEOUT": "42"}) == 42.0
     assert WatchdogConfig(timeout=7).resolve_timeout({"FTKIT_HANG_TIMEOUT": "42"}) == 7.0  # config wins
     assert WatchdogConfig(enabled=False).resolve_timeout({}) is None
+    assert WatchdogConfig().resolve_warmup({}) == 1800.0
+    assert WatchdogConfig().resolve_warmup({"FTKIT_HANG_WARMUP_TIMEOUT": "120"}) == 120.0
+    assert WatchdogConfig(warmup_timeout=60).resolve_warmup({"FTKIT_HANG_WARMUP_TIMEOUT": "120"}) == 60.0
+    with pytest.raises(ConfigError, match="FTKIT_HANG_WARMUP_TIMEOUT='-1'"):
+        WatchdogConfig().resolve_warmup({"FTKIT_HANG_WARMUP_TIMEOUT": "-1"})
+    with pytest.raises(ConfigError, match=r"watchdog\.warmup_timeout"):
+        WatchdogConfig(warmup_timeout=0)
 
 
 # -- the culprit rule -----------------------------------------------------------------------

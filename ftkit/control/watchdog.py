@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds without a completed step that count as a hang when nothing else sets it."""
+DEFAULT_WARMUP = 1800.0
+"""Seconds for each warm-up step when nothing else sets it."""
 
 HANGS = "hangs"
 DECLARED = "declared"  # JOBDIR/hangs/declared: created by the first rank of a run to fire
@@ -83,8 +85,9 @@ class WatchdogConfig:
     instead: they compile, fill caches and start data loader workers. (A loop of your own that
     calls ``check``/``step``: from the first step boundary the watchdog sees.)"""
 
-    warmup_timeout: float = 1800.0
-    """Seconds allowed for each warm-up step (at least ``timeout``)."""
+    warmup_timeout: float | None = None
+    """Seconds allowed for each warm-up step (at least ``timeout``). None: the environment
+    variable ``warmup_env_var`` (seconds), else 1800."""
 
     save_timeout: float = 1800.0
     """Seconds allowed for one checkpoint save, and for ``close()`` waiting on background saves
@@ -93,6 +96,10 @@ class WatchdogConfig:
     env_var: str = "FTKIT_HANG_TIMEOUT"
     """Environment variable read when ``timeout`` is None: seconds, or ``off`` / ``0`` to turn
     the watchdog off for one job without editing the script."""
+
+    warmup_env_var: str = "FTKIT_HANG_WARMUP_TIMEOUT"
+    """Environment variable read when ``warmup_timeout`` is None: seconds for each warm-up step,
+    for one job (a job that hung right after a resume is otherwise found only after 30 min)."""
 
     heartbeat: float | None = None
     """Seconds between heartbeat files (``JOBDIR/heartbeats/rank{R}.json``); None: an eighth of
@@ -107,18 +114,20 @@ class WatchdogConfig:
     hung job-dir filesystem must not keep a hung job alive)."""
 
     def __post_init__(self) -> None:
-        for name in ("timeout", "heartbeat"):
+        for name in ("timeout", "heartbeat", "warmup_timeout"):
             value = getattr(self, name)
             if value is not None and not (_number(value) and value > 0):
                 raise ConfigError(f"watchdog.{name}: got {value!r}; give seconds > 0 or None")
-        for name in ("multiple", "warmup_timeout", "save_timeout", "grace"):
+        for name in ("multiple", "save_timeout", "grace"):
             value = getattr(self, name)
             if not (_number(value) and value > 0):
                 raise ConfigError(f"watchdog.{name}: got {value!r}; give a number > 0")
         if not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) or self.warmup_steps < 0:
             raise ConfigError(f"watchdog.warmup_steps: got {self.warmup_steps!r}; give a whole number >= 0")
-        if not isinstance(self.env_var, str) or not self.env_var.strip():
-            raise ConfigError(f"watchdog.env_var: got {self.env_var!r}; name an environment variable")
+        for name in ("env_var", "warmup_env_var"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigError(f"watchdog.{name}: got {value!r}; name an environment variable")
 
     def resolve_timeout(self, environ: Mapping[str, str] | None = None) -> float | None:
         """The floor in seconds, or None when the watchdog is off (config or environment)."""
@@ -137,6 +146,22 @@ class WatchdogConfig:
             value = math.nan
         if not (math.isfinite(value) and value > 0):
             raise ConfigError(f"environment variable {self.env_var}={raw!r}: give seconds > 0, or off")
+        return value
+
+
+    def resolve_warmup(self, environ: Mapping[str, str] | None = None) -> float:
+        """Seconds for each warm-up step (before the floor ``timeout`` applies to it)."""
+        if self.warmup_timeout is not None:
+            return float(self.warmup_timeout)
+        raw = (os.environ if environ is None else environ).get(self.warmup_env_var, "").strip()
+        if not raw:
+            return DEFAULT_WARMUP
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"environment variable {self.warmup_env_var}={raw!r}: give seconds > 0")
         return value
 
 
@@ -190,6 +215,7 @@ class Watchdog:
         "fired",
         "last",
         "timeout",
+        "warmup",
     )
 
     def __init__(
@@ -208,6 +234,7 @@ class Watchdog:
         self.last: tuple[int, float] | None = None  # the hot path's only store; None: disarmed
         self.config = config if config is not None else WatchdogConfig()
         self.timeout = self.config.resolve_timeout(environ)
+        self.warmup = self.config.resolve_warmup(environ) if self.timeout is not None else DEFAULT_WARMUP
         env = os.environ if environ is None else environ
         self._job = Path(job_root)
         self._events = events
@@ -361,7 +388,7 @@ class Watchdog:
         first = step if first is None or first > step else first
         cfg = self.config
         if step - first < cfg.warmup_steps:
-            return (now - at, max(cfg.warmup_timeout, self.timeout),
+            return (now - at, max(self.warmup, self.timeout),
                     f"warm-up step {step - first + 1} of {cfg.warmup_steps}")
         slowest = max(self._steps, default=0.0)
         if cfg.multiple * slowest > self.timeout:
