@@ -135,34 +135,32 @@ class WatchdogConfig:
             return None
         if self.timeout is not None:
             return float(self.timeout)
-        raw = (os.environ if environ is None else environ).get(self.env_var, "").strip()
-        if not raw:
-            return DEFAULT_TIMEOUT
-        if raw.lower() in ("off", "0", "no", "false"):
-            return None
-        try:
-            value = float(raw)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"environment variable {self.env_var}={raw!r}: give seconds > 0, or off")
-        return value
-
+        return _env_seconds(environ, self.env_var, DEFAULT_TIMEOUT, off=True)
 
     def resolve_warmup(self, environ: Mapping[str, str] | None = None) -> float:
         """Seconds for each warm-up step (before the floor ``timeout`` applies to it)."""
         if self.warmup_timeout is not None:
             return float(self.warmup_timeout)
-        raw = (os.environ if environ is None else environ).get(self.warmup_env_var, "").strip()
-        if not raw:
-            return DEFAULT_WARMUP
-        try:
-            value = float(raw)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"environment variable {self.warmup_env_var}={raw!r}: give seconds > 0")
-        return value
+        seconds = _env_seconds(environ, self.warmup_env_var, DEFAULT_WARMUP, off=False)
+        assert seconds is not None
+        return seconds
+
+
+def _env_seconds(environ: Mapping[str, str] | None, name: str, default: float, *, off: bool) -> float | None:
+    """Seconds from the environment variable ``name``: unset or empty, ``default``; where
+    ``off``, ``off``/``0``/``no``/``false`` give None; anything else not > 0 is an error."""
+    raw = (os.environ if environ is None else environ).get(name, "").strip()
+    if not raw:
+        return default
+    if off and raw.lower() in ("off", "0", "no", "false"):
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"environment variable {name}={raw!r}: give seconds > 0" + (", or off" if off else ""))
+    return value
 
 
 def _number(value: object) -> bool:
