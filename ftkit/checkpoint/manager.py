@@ -466,12 +466,12 @@ class Checkpointer(CheckpointManager):
                     early.close()  # a read it started and the load never took (a refused load)
             if not problem:
                 self.loaded = info
-                restored = int(self.loaded.step)
+                restored, read = int(self.loaded.step), time.monotonic() - found
                 self._say("ftkit resume: step %d from %s (written by %s rank(s), read in %.2f s)", restored, path,
-                          info.world_size or "?", time.monotonic() - found)
+                          info.world_size or "?", read)
                 self._emit("load", step=restored, path=str(path),
                            saved_world_size=self.loaded.world_size, world_size=self.world_size,
-                           find_seconds=round(found - began, 6), read_seconds=round(time.monotonic() - found, 6))
+                           find_seconds=round(found - began, 6), read_seconds=round(read, 6))
                 return restored
             skipped.append(f"{path.name}: {problem}")
             if known_broken(problem):  # agreed: the same on every rank (not this rank's own validation)
