@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .._fs import atomic_write
+from ..control.hangs import culprit
 from ..errors import ConfigError, SlurmError
 from ..events import read_events
 from ..jobdir import JobDir
@@ -132,8 +133,6 @@ def _hang(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     every rank's watchdog fires, and the last event written is as often a rank that was only
     waiting for it. That rank's own event; where it wrote none (stopped, killed, its node
     lost), the first rank to fire's, naming it."""
-    from ..control.hangs import culprit
-
     hangs = [e for e in events if e.get("event") == "hang"]
     who = culprit(hangs) if hangs else None
     if who is None:
