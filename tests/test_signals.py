@@ -328,3 +328,32 @@ def test_ctrl_c_twice_while_a_checkpoint_is_written_ends_the_process_as_interrup
     assert proc.returncode == 0, err
     resumes = [e for e in read_events(jobdir / "events.jsonl") if e["event"] == "resume"]
     assert resumes[-1]["step"] == saved, resumes
+
+
+UNMAPPED = """
+import sys, time, torch, ftkit
+model = torch.nn.Linear(4, 4)
+with ftkit.FaultTolerance(sys.argv[1], state={"model": model}, config=ftkit.Config(save_every=5)) as ft:
+    for step in ft.range(100000):
+        time.sleep(0.01)
+        if step == 12:
+            print("past a checkpoint", flush=True)
+"""
+
+
+def test_ctrl_c_where_sigint_is_not_mapped_says_what_was_lost_and_how_to_map_it(tmp_path) -> None:
+    """The default config maps USR1 and TERM only: Ctrl-C raises KeyboardInterrupt as always,
+    and rank 0 says the run ended without a save, the setting that makes Ctrl-C save, and
+    where the next run resumes."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    proc = subprocess.Popen([sys.executable, "-c", UNMAPPED, str(tmp_path / "job")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "past a checkpoint\n"
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == -signal.SIGINT, err
+    [said] = [line for line in err.splitlines() if "SIGINT is not mapped" in line]
+    reached = int(said.split("ended the run at step ")[1].split()[0])
+    saved = max(e["step"] for e in read_events(tmp_path / "job" / "events.jsonl") if e["event"] == "save")
+    assert reached >= saved >= 10 and f"The next run resumes from step {saved}." in said, said
+    assert "'INT': 'save-exit'" in said

@@ -300,7 +300,20 @@ class FaultTolerance:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         if exc is not None:  # the training loop raised: the exit event says so (a crash)
             self._crash = f"{exc_type.__name__ if exc_type else 'error'}: {exc}"
+            if isinstance(exc, KeyboardInterrupt) and self.rank == 0 and not self._maps(signal.SIGINT):
+                last = self._last_saved_step
+                log.warning("ftkit: Ctrl-C (KeyboardInterrupt) ended the run at step %s without a save: SIGINT is "
+                            "not mapped. To save and exit on Ctrl-C, map it: Config(signals=SignalConfig(actions="
+                            "{'USR1': 'requeue', 'TERM': 'save-exit', 'INT': 'save-exit'})). %s",
+                            self.runclock.step if self.runclock.step >= 0 else "?",
+                            f"The next run resumes from step {last}." if last is not None else
+                            "No checkpoint was saved: the next run starts fresh.")
         self.close()
+
+    def _maps(self, signum: signal.Signals) -> bool:
+        """Whether ftkit handles ``signum`` in this run."""
+        signals = self.config.signals
+        return signals.enabled and signum in signals.resolved
 
     # -- requests from code -----------------------------------------------------------------
 
