@@ -149,6 +149,14 @@ def test_fsdp_shards_saved_by_two_ranks_resume_on_one_and_three(tmp_path):
     _assert_resumed(saved, one)
     back = _run(tmp_path / "job", 2, 8, tmp_path / "fsdp2b", "--fsdp")  # one-process file -> shards
     _assert_resumed(one, back)
+    # FSDP2 on one process: DCP's shards into it, then its own (one-file) checkpoint, whole,
+    # back into two ranks' shards (its save raised, and a one-file load into it crashed)
+    solo = _run(tmp_path / "job", 1, 10, tmp_path / "fsdp1", "--fsdp")
+    _assert_resumed(back, solo)
+    again = _run(tmp_path / "job", 2, 12, tmp_path / "fsdp2c", "--fsdp")
+    _assert_resumed(solo, again)
+    solo2 = _run(tmp_path / "job", 1, 14, tmp_path / "fsdp1b", "--fsdp")  # DCP -> FSDP2 on one, twice
+    _assert_resumed(again, solo2)
 
 
 # ---------------------------------------------------------------- in one process

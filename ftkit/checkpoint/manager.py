@@ -96,6 +96,16 @@ def _first_on_host(rank: int, world_size: int) -> bool:
 _FITS, _PLAIN, _SHARDED, _UNKNOWN = 0, 1, 2, 3
 
 
+def _holds_dtensors(state: Mapping[str, Any]) -> bool:
+    """Whether a module of ``state`` has DTensor parameters or buffers (FSDP2's)."""
+    import torch
+
+    from .state.snapshot import is_dtensor
+
+    return any(is_dtensor(t) for v in state.values() if isinstance(v, torch.nn.Module)
+               for t in (*v.parameters(), *v.buffers()))
+
+
 def _fit(state: Mapping[str, Any], world_size: int) -> int:
     """Whether ``state``'s modules and optimizers are plain tensors in host memory with room to
     set them aside (:meth:`SetAside.fits`), plain tensors elsewhere, or shards."""
@@ -713,7 +723,9 @@ class Checkpointer(CheckpointManager):
         rest: dict[str, Any] = live
         saved = payload["state"]
         keys: list[str] = []
-        if sharded or (self.comm.distributed and not whole):
+        # DTensors (FSDP2, even on one process) are set through DCP's state-dict API, which
+        # shards the full tensors of a one-process checkpoint into them
+        if sharded or (self.comm.distributed and not whole) or _holds_dtensors(live):
             from .dcp import load_full, load_sharded, sharded_keys
 
             keys = sharded_keys(live)

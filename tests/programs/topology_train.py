@@ -2,10 +2,11 @@
 
     python topology_train.py JOBDIR --total T --out PREFIX [--async] [--fsdp]
 
-The usual user code: a small MLP wrapped in DDP (or sharded with FSDP2 ``fully_shard``) only
-when WORLD_SIZE > 1, Adam, StepLR, a shuffled ResumableSampler, a plain counter, trained under
-``ft.range(T)`` with ``save_every=5`` and a save at the end. RANK/WORLD_SIZE/MASTER_* come from
-the environment (WORLD_SIZE > 1: a gloo group).
+The usual user code: a small MLP wrapped in DDP only when WORLD_SIZE > 1 (or sharded with
+FSDP2 ``fully_shard`` with ``--fsdp``, on one rank too), Adam, StepLR, a shuffled
+ResumableSampler, a plain counter, trained under ``ft.range(T)`` with ``save_every=5`` and a
+save at the end. RANK/WORLD_SIZE/MASTER_* come from the environment (WORLD_SIZE > 1 or
+``--fsdp``: a gloo group).
 
 Writes ``PREFIX.rankR.json``: hashes of the canonical (unwrapped, unsharded) model parameters
 and buffers, optimizer state, scheduler state, sampler position, step and torch RNG state,
@@ -74,7 +75,7 @@ def build_state(rank: int, world: int, *, fsdp: bool = False):
     y = x[:, :2] * 2 + 0.1 * torch.randn(N, 2, generator=g)
     torch.manual_seed(0)
     model: nn.Module = nn.Sequential(nn.Linear(6, 11), nn.ReLU(), nn.Dropout(0.2), nn.Linear(11, 2))
-    if world > 1 and fsdp:
+    if fsdp:  # one rank too: FSDP2 on one process (a gloo group of one)
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model)  # 11 rows on 2 or 3 ranks: uneven shards
@@ -108,7 +109,7 @@ def main() -> int:
 
     torch.set_num_threads(1)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if world > 1:
+    if world > 1 or a.fsdp:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     state, loader = build_state(rank, world, fsdp=a.fsdp)
     model, opt, sched, sampler = (state[k] for k in ("model", "optimizer", "scheduler", "sampler"))
@@ -142,7 +143,7 @@ def main() -> int:
             raise SystemExit(f"rank {rank}: training stopped before step {a.total}")
     report["final"] = hashes(state, a.total)
     Path(f"{a.out}.rank{rank}.json").write_text(json.dumps(report))
-    if world > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
     return 0
 

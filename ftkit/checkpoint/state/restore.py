@@ -25,7 +25,7 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from .keys import canonical
-from .snapshot import is_stateful
+from .snapshot import is_dtensor, is_stateful
 
 __all__ = [
     "SetAside",
@@ -149,7 +149,7 @@ def live_targets(state: Mapping[str, Any], saved: Mapping[str, Any],
         elif isinstance(live, list) and isinstance(saved, list) and len(live) == len(saved):
             for a, b in zip(live, saved, strict=True):
                 walk(a, b)
-        elif _same_kind(live, saved):
+        elif _same_kind(live, saved) and not is_dtensor(live):  # a DTensor's bytes are not its own
             out[id(saved)] = live
 
     for key, value in saved.items():

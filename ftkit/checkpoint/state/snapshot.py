@@ -29,6 +29,7 @@ __all__ = [
     "capture_rng",
     "derive_rng",
     "flatten",
+    "is_dtensor",
     "materialize",
     "restore_rng",
     "take_snapshot",
@@ -71,6 +72,12 @@ class Ref:
         return f"Ref({self.index})"
 
 
+def is_dtensor(value: Any) -> bool:
+    """A ``torch.distributed.tensor.DTensor`` (FSDP2's parameters and moments), by name: the
+    check imports nothing of torch.distributed."""
+    return isinstance(value, torch.Tensor) and type(value).__name__ == "DTensor" and hasattr(value, "full_tensor")
+
+
 def flatten(
     state: Mapping[str, Any],
     *,
@@ -96,7 +103,10 @@ def flatten(
 
     def walk(value: Any, where: str) -> Any:
         if isinstance(value, torch.Tensor):
-            tensor = value.detach()
+            # a DTensor (FSDP2's, say, on one rank) is written whole: its storage is not the
+            # tensor's, and a one-file checkpoint holds plain tensors, loaded on any world size
+            # (every rank walks the same state: full_tensor's collective is every rank's)
+            tensor = (value.full_tensor() if is_dtensor(value) else value).detach()
             tensors.append((where, tensor))
             if found is not None:
                 found(len(tensors) - 1, where, tensor)
