@@ -117,6 +117,15 @@ def test_invalid_values_name_the_setting(key: str, value: str, expected: str) ->
         templates.render("single", {key: value})
 
 
+@pytest.mark.parametrize(("time", "lead_time"), [("00:02:00", "180"), ("2", "120"), ("1:30", "90")])
+def test_a_lead_time_not_shorter_than_the_time_limit_is_refused(time: str, lead_time: str) -> None:
+    """SIGUSR1 would come at once: every run would save, exit and requeue right after it began."""
+    with pytest.raises(ConfigError, match=rf"lead_time={lead_time} is not shorter than time={time}"):
+        templates.render("single", {"time": time, "lead_time": lead_time})
+    assert "--signal=B:USR1@60" in templates.render("single", {"time": time, "lead_time": "60"})
+    assert templates.render("single", {"time": "UNLIMITED", "lead_time": "100000"})
+
+
 def test_own_templates_dir_and_required_placeholders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "mine.sbatch").write_text("#!/bin/bash\n# ftkit template: mine -- mine\n"
                                           "#SBATCH --time={{time}}\n#SBATCH --account={{account}}\n")

@@ -64,6 +64,24 @@ def _time_limit(value: str) -> str | None:
     return "a SLURM time limit such as 90 (minutes), 04:00:00 or 1-12:00:00"
 
 
+def time_limit_seconds(value: str) -> int | None:
+    """Seconds of a SLURM time limit (``90`` minutes, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``,
+    ``D-H:M:S``); None for ``UNLIMITED``/``INFINITE`` or a value it does not read."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", value.strip())
+    if m is None:
+        return None
+    days, a, b, c = m.groups()
+    parts = [int(x) for x in (a, b, c) if x is not None]
+    if days is not None:  # D-H, D-H:M, D-H:M:S
+        h, mi, sec = [*parts, 0, 0][:3]
+        return ((int(days) * 24 + h) * 60 + mi) * 60 + sec
+    if len(parts) == 1:
+        return parts[0] * 60  # minutes
+    if len(parts) == 2:
+        return parts[0] * 60 + parts[1]  # M:S
+    return (parts[0] * 60 + parts[1]) * 60 + parts[2]
+
+
 def _one_line(value: str) -> str | None:
     return "a single line" if "\n" in value else None
 
@@ -247,6 +265,13 @@ def render_text(
         if problem:
             raise ConfigError(f"{name}: setting {key}={value!r} is not valid; expected {problem}")
         resolved[key] = value.strip()
+    if "time" in resolved and "lead_time" in resolved:
+        limit = time_limit_seconds(resolved["time"])
+        if limit is not None and int(resolved["lead_time"]) >= limit:
+            raise ConfigError(
+                f"{name}: setting lead_time={resolved['lead_time']} is not shorter than time={resolved['time']} "
+                f"({limit} s): SIGUSR1 would come at once and every run would save, exit and requeue "
+                f"right after it started; give a lead_time of one step + one save + 60 s, well under the limit")
     out: list[str] = []
     for lineno, line in enumerate(text.splitlines(keepends=True), 1):
         stripped_line = _PLACEHOLDER.sub("", line)
