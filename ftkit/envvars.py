@@ -12,7 +12,7 @@ without touching the training script. Every integration reads the same variables
 ``FTKIT_AGREE_EVERY``       agree across ranks every N steps (>= 1)
 ``FTKIT_DEADLINE``          UNIX seconds or ISO-8601 time the job must end by
 ``FTKIT_BUDGET_MARGIN``     seconds kept free after the last save (>= 0)
-``FTKIT_SAVE_EVERY``        also save every N steps (>= 1); ``auto``: measured interval; ``off``: only on request
+``FTKIT_SAVE_EVERY``        also save every N steps (>= 1); ``auto``: measured interval; ``off`` (or 0): only on request
 ``FTKIT_KEEP_LAST``         keep the newest N valid checkpoints; ``all`` keeps every one
 ==========================  =============================================================
 
@@ -88,10 +88,13 @@ def _number(name: str, text: str, convert: Callable[[str], T], want: str) -> T:
     return value
 
 
-def _positive_int(name: str, text: str) -> int:
-    value = _number(name, text, int, "a whole number >= 1, e.g. 10")
+def _positive_int(name: str, text: str, *, also: str = "") -> int:
+    """A whole number >= 1 from ``text``; ``also``: the words the variable takes besides (said
+    in the error)."""
+    want = "a whole number >= 1, e.g. 10" + (f", or {also}" if also else "")
+    value = _number(name, text, int, want)
     if value < 1:
-        raise ConfigError(f"{name}: got {text!r}; give a whole number >= 1, e.g. 10")
+        raise ConfigError(f"{name}: got {text!r}; give {want}")
     return value
 
 
@@ -186,13 +189,13 @@ def config_from_env(
     if (text := _get(environ, "FTKIT_SAVE_EVERY")) is not None:
         lowered = text.strip().lower()
         kw["save_every"] = (None if lowered in _OFF else "auto" if lowered == "auto"
-                            else _positive_int("FTKIT_SAVE_EVERY", text))
+                            else _positive_int("FTKIT_SAVE_EVERY", text, also="auto (the measured interval), or off"))
 
     if (text := _get(environ, "FTKIT_KEEP_LAST")) is not None:
         from .checkpoint import CheckpointConfig
         from .jobdir import JobDir
 
-        keep = None if text.lower() in ("all", "none", "off") else _positive_int("FTKIT_KEEP_LAST", text)
+        keep = None if text.lower() in ("all", "none", "off") else _positive_int("FTKIT_KEEP_LAST", text, also="all")
         root = jobdir if jobdir is not None else jobdir_from_env(environ)
         if root is None:
             raise ConfigError("FTKIT_KEEP_LAST: set FTKIT_JOBDIR too (checkpoints live under it)")

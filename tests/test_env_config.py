@@ -67,8 +67,9 @@ def test_off_values(tmp_path):
         ("FTKIT_AGREE_EVERY", "2.5", "whole number"),
         ("FTKIT_DEADLINE", "tomorrow", "ISO-8601"),
         ("FTKIT_BUDGET_MARGIN", "-1", ">= 0"),
-        ("FTKIT_SAVE_EVERY", "-3", ">= 1"),
-        ("FTKIT_KEEP_LAST", "0", ">= 1"),
+        ("FTKIT_SAVE_EVERY", "-3", ">= 1, e.g. 10, or auto (the measured interval), or off"),
+        ("FTKIT_SAVE_EVERY", "abc", "cannot read 'abc'; give a whole number >= 1, e.g. 10, or auto"),
+        ("FTKIT_KEEP_LAST", "0", ">= 1, e.g. 10, or all"),
         ("FTKIT_KEEP_LAST", "3", "FTKIT_JOBDIR"),
     ],
 )
