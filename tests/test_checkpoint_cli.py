@@ -109,7 +109,14 @@ def test_pin_unpin(tmp_path):
     assert ftkit("unpin", str(job), "2").returncode == 0
     assert not (job / "checkpoints" / "step-00000002" / "pinned").exists()
     assert ftkit("pin", str(job), "99").returncode == 3
+    again = ftkit("unpin", str(job), "2")  # not pinned (any more): said so, nothing recorded
+    assert again.returncode == 0 and "step-00000002 was not pinned: nothing to do" in again.stdout
+    assert ftkit("unpin", str(job), "99").returncode == 3
     assert [e["event"] for e in read_events(job / "events.jsonl")] == ["pin", "unpin"]
+    # the events are there: asking for none of them shows none, and does not say there are none
+    quiet = ftkit("status", str(job), "--events", "0")
+    assert quiet.returncode == 0 and "no events yet" not in quiet.stdout and "recent events" not in quiet.stdout
+    assert "recent events" in ftkit("status", str(job)).stdout
 
 
 def test_cli_commands_do_not_import_torch(tmp_path):

@@ -208,12 +208,17 @@ def _pin(args: argparse.Namespace, pin: bool) -> int:
     from rich.console import Console
 
     from ..checkpoint import pin_checkpoint, unpin_checkpoint, validate_dir
+    from ..checkpoint.format.layout import PIN, step_name
     from ..events import EventLog
 
     root, job = _root(args.jobdir, command="pin" if pin else "unpin")
+    console = Console()
+    if not pin and not (root.path / step_name(args.step) / PIN).exists():
+        path = unpin_checkpoint(root.path, args.step)  # a missing step is still an error, as for pin
+        console.print(f"{path} was not pinned: nothing to do", highlight=False)
+        return 0
     path = (pin_checkpoint if pin else unpin_checkpoint)(root.path, args.step)
     info = validate_dir(path)
-    console = Console()
     console.print(f"{'pinned' if pin else 'unpinned'} {path}", highlight=False)
     if pin and not info.valid:
         console.print(

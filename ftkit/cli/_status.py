@@ -155,6 +155,7 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
         "time_left": time_left,
         "verdict": verdict,
         "events": log[-events:] if events > 0 else [],
+        "events_logged": len(log),
     }
 
 
@@ -259,9 +260,11 @@ def _status(args: argparse.Namespace) -> int:
                              f"{'' if a['checkpoints'] == 1 else 's'}, {_human(a['size'])}): another history, "
                              "never resumed from nor deleted by ftkit; delete it when no longer wanted"),
                       style="yellow", highlight=False)
-    if not status["events"]:
+    if not status["events_logged"]:
         console.print(f"no events yet: no ftkit job has started with this job dir ({escape(str(status['jobdir']))}"
                       "/events.jsonl is written when one does)", highlight=False)
+        return 0
+    if not status["events"]:  # --events 0
         return 0
     table = Table("time", "event", "rank", "step", title="recent events")
     table.add_column("details", overflow="fold")
