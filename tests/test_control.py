@@ -69,6 +69,35 @@ def test_request_file_from_another_process(tmp_path: Path, action, expect, reque
     assert "batch script trap" in got["reasons"][0]
 
 
+BUDGETED = """
+import sys, time, torch, ftkit
+config = ftkit.Config(save_every=int(sys.argv[2]) or None, budget=ftkit.BudgetConfig(margin=2))
+with ftkit.FaultTolerance(sys.argv[1], state={"model": torch.nn.Linear(4, 4)}, config=config) as ft:
+    for step in ft.range(100000 if sys.argv[2] == "0" else 20):
+        time.sleep(0.02)
+"""
+
+
+def test_a_requeued_runs_time_budget_starts_from_the_saves_earlier_runs_measured(tmp_path: Path) -> None:
+    """Saves here take milliseconds: the next run's budget stops it a margin before the end,
+    not the 30 s that ``budget.save_estimate`` guesses before a save is measured (with 10 s
+    left that guess would stop it after its first step)."""
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    first = subprocess.run([sys.executable, "-c", BUDGETED, str(tmp_path), "5"], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    began = time.time()
+    second = subprocess.run([sys.executable, "-c", BUDGETED, str(tmp_path), "0"], capture_output=True, text=True,
+                            timeout=120, env={**env, "FTKIT_DEADLINE": str(int(began) + 12)})
+    assert second.returncode == 0, second.stderr
+    [decision] = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "decision"]
+    assert decision["sources"] == ["time-budget"] and "+ save 0.0 s + margin 2 s" in decision["reasons"][0], decision
+    assert decision["time"] >= int(began) + 12 - 3 and decision["step"] > 20 + 50  # a margin before the end
+    assert "only" not in second.stderr  # no "only N s left at start" warning
+
+
 def test_time_budget_from_env_deadline(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("FTKIT_DEADLINE", str(time.time() + 33.0))  # margin 30 s + step + save estimate
     proc = start_loop(tmp_path, 100000, 0.01)

@@ -225,6 +225,7 @@ class FaultTolerance:
                         self.job.kill_switch)
         self._signals.start()
         self._watcher.start()
+        self._seed_budget()
         self.budget.start()
         left = self.budget.time_left()
         if left is not None and left < self.budget.save_estimate + self.budget.config.margin:
@@ -581,6 +582,20 @@ class FaultTolerance:
                 cost += self._snapshot_stall[1]  # this checkpoint's snapshot was taken at the step's start
         self._saved(step, seconds=seconds, stall=stall, decision=decision, exiting=exiting, cost=cost)
         return info
+
+    def _seed_budget(self) -> None:
+        """The time budget's save estimate starts from the saves earlier runs of this job dir
+        measured (the slowest of the last few, as ``ftkit status`` shows it), not from
+        ``budget.save_estimate``'s guess: a requeued run stops no earlier, and no later, than
+        its saves need. Rank 0 decides for every rank."""
+        if self.rank != 0 or not self.config.budget.enabled:
+            return
+        from ..events import read_events
+
+        saves = [float(e["seconds"]) for e in read_events(self.job.events)
+                 if e.get("event") == "save" and isinstance(e.get("seconds"), (int, float))]
+        for seconds in saves[-5:]:
+            self.budget.record_save(seconds)
 
     def _auto_interval(self) -> AutoInterval:
         """``save_every="auto"``: the rule, primed with what earlier runs of this job dir measured."""

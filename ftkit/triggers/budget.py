@@ -51,7 +51,8 @@ class BudgetConfig:
     """Seconds kept free after the last save (SLURM's KillWait, slow exits, requeue)."""
 
     save_estimate: float = 30.0
-    """Seconds a save is assumed to take until one has been measured."""
+    """Seconds a save is assumed to take until one has been measured in this job dir (a
+    requeued run starts from the saves earlier runs measured)."""
 
     refresh_every: float = 300.0
     """Seconds between re-reads of SLURM's EndTime, so a time limit changed while the job runs
