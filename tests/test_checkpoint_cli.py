@@ -116,7 +116,10 @@ def test_pin_unpin(tmp_path):
     # the events are there: asking for none of them shows none, and does not say there are none
     quiet = ftkit("status", str(job), "--events", "0")
     assert quiet.returncode == 0 and "no events yet" not in quiet.stdout and "recent events" not in quiet.stdout
-    assert "recent events" in ftkit("status", str(job)).stdout
+    shown = ftkit("status", str(job)).stdout
+    assert "recent events" in shown
+    # the verdict comes from sizes alone: status says where the checksums are read
+    assert "if the job dies now, it resumes from step 5" in shown and f"`ftkit verify {job}`" in shown
 
 
 def test_cli_commands_do_not_import_torch(tmp_path):

@@ -239,6 +239,10 @@ def _status(args: argparse.Namespace) -> int:
     else:
         console.print("pending: " + (pending[0] if pending else "nothing"))
     console.print(f"[bold]{escape(status['verdict'])}[/]", highlight=False)
+    if status["newest_valid"] is not None:  # status reads no data file: a flipped byte shows only there
+        console.print(f"  (its files have their recorded sizes; `ftkit verify {escape(str(status['jobdir']))}` "
+                      "reads every checksum, and a resume falls back past a corrupt one)", style="dim",
+                      highlight=False)
     root = status["checkpoint_root"]
     if root["found_in"] and root["exists"]:
         console.print(escape(f"checkpoints in {root['described']}"), highlight=False)
