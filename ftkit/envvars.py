@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -181,6 +182,9 @@ def config_from_env(
     if (text := _get(environ, "FTKIT_DEADLINE")) is not None:
         # Read here, from ``environ``, so a bad value fails now and not at start().
         budget["deadline"] = parse_deadline(text, setting="FTKIT_DEADLINE")
+        if (late := time.time() - budget["deadline"]) >= 0:  # said here, not as budget.deadline at start
+            raise ConfigError(f"FTKIT_DEADLINE: the deadline {text.strip()!r} is {late:.0f} s in the past (a value "
+                              "left from an earlier job?); give this job's end time, or unset it")
     if (text := _get(environ, "FTKIT_BUDGET_MARGIN")) is not None:
         budget["margin"] = _seconds("FTKIT_BUDGET_MARGIN", text, allow_zero=True)
     if budget:

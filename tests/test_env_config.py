@@ -66,6 +66,7 @@ def test_off_values(tmp_path):
         ("FTKIT_AGREE_EVERY", "0", ">= 1"),
         ("FTKIT_AGREE_EVERY", "2.5", "whole number"),
         ("FTKIT_DEADLINE", "tomorrow", "ISO-8601"),
+        ("FTKIT_DEADLINE", "1700000000", "s in the past (a value left from an earlier job?)"),
         ("FTKIT_BUDGET_MARGIN", "-1", ">= 0"),
         ("FTKIT_SAVE_EVERY", "-3", ">= 1, e.g. 10, or auto (the measured interval), or off"),
         ("FTKIT_SAVE_EVERY", "abc", "cannot read 'abc'; give a whole number >= 1, e.g. 10, or auto"),
