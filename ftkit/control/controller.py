@@ -550,9 +550,11 @@ class FaultTolerance:
     def save(self, step: int, *, decision: Decision | None = None, reason: str | None = None) -> Any:
         """Write a checkpoint of ``state`` at ``step`` through the manager; time it for the budget.
 
-        A failed periodic save logs a warning and training goes on; a failed save on the way
-        out (an exit's, or the end of training's) raises, so the process exits non-zero and the
-        requeue policy sees a crash: the steps since the last checkpoint are not lost unseen.
+        A periodic save that fails with a :class:`CheckpointError` (a full disk, an I/O error)
+        logs a warning and training goes on; a failed save on the way out (an exit's, or the
+        end of training's) raises, so the process exits non-zero and the requeue policy sees a
+        crash: the steps since the last checkpoint are not lost unseen. Any other exception (a
+        bug) raises at once.
         """
         every = "the auto interval" if self.config.save_every == "auto" else f"every {self.config.save_every} steps"
         why = reason or ("; ".join(decision.reasons) if decision else f"periodic ({every})")
