@@ -196,6 +196,19 @@ def test_status_json_shows_pending_switches_and_events(tmp_path: Path) -> None:
     assert status["events"][0]["event"] == "start"
 
 
+def test_status_of_a_running_job_with_a_deadline_shows_the_time_left_before_any_save(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    monkeypatch.setenv("FTKIT_DEADLINE", str(int(time.time()) + 3600))
+    proc = start_loop(tmp_path, 100000, 0.01)
+    try:
+        status = json.loads(ftkit_cli("status", "--json", str(tmp_path)).stdout)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert status["save_estimate"] is None and status["time_left"] > 3500, status
+    assert status["verdict"].endswith(f"; {status['time_left']:.0f} s left, no save measured yet"), status["verdict"]
+
+
 def test_status_on_missing_jobdir_names_it(tmp_path: Path) -> None:
     out = ftkit_cli("status", str(tmp_path / "nope"))
     assert out.returncode == 2 and "nope" in out.stderr and "does not exist" in out.stderr

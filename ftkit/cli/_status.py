@@ -135,6 +135,8 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
     if time_left is not None and save_estimate is not None:
         verdict += (f"; {time_left:.0f} s left, a save takes ~{save_estimate:.1f} s"
                     + (" (enough)" if time_left > 2 * save_estimate else " (TIGHT)"))
+    elif time_left is not None:  # no save measured yet: the time left all the same
+        verdict += f"; {time_left:.0f} s left, no save measured yet"
     return {
         "jobdir": str(job.root),
         "time": now,
