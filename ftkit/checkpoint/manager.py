@@ -60,7 +60,7 @@ from .state.restore import (
     settings_replaced,
     shape_mismatches,
 )
-from .state.snapshot import Snapshot, derive_rng, restore_rng, take_snapshot
+from .state.snapshot import Snapshot, derive_rng, is_dtensor, restore_rng, take_snapshot
 
 __all__ = ["Checkpointer"]
 
@@ -99,8 +99,6 @@ _FITS, _PLAIN, _SHARDED, _UNKNOWN = 0, 1, 2, 3
 def _holds_dtensors(state: Mapping[str, Any]) -> bool:
     """Whether a module of ``state`` has DTensor parameters or buffers (FSDP2's)."""
     import torch
-
-    from .state.snapshot import is_dtensor
 
     return any(is_dtensor(t) for v in state.values() if isinstance(v, torch.nn.Module)
                for t in (*v.parameters(), *v.buffers()))

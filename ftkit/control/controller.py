@@ -596,7 +596,7 @@ class FaultTolerance:
 
         saves = [float(e["seconds"]) for e in read_events(self.job.events)
                  if e.get("event") == "save" and isinstance(e.get("seconds"), (int, float))]
-        for seconds in saves[-5:]:
+        for seconds in saves:  # the budget keeps the slowest of its own window of the last ones
             self.budget.record_save(seconds)
 
     def _auto_interval(self) -> AutoInterval:
