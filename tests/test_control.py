@@ -163,6 +163,33 @@ def test_a_run_resumed_past_its_total_trains_nothing_and_writes_no_mislabelled_c
     assert ends[-1]["completed"] is True
 
 
+def test_a_signal_at_the_last_step_completes_the_run(tmp_path: Path) -> None:
+    """SIGUSR1 (save, exit, requeue) during the last step of ``range(5)``: the checkpoint of
+    step 5 is written and the run is complete; its exit event says so, so the requeue helper
+    does not send back a job with nothing left to train."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    cfg = ftkit.Config(watch=ftkit.WatchConfig(mode="off"), budget=ftkit.BudgetConfig(enabled=False))
+    with ftkit.FaultTolerance(tmp_path, state={"model": model}, config=cfg) as ft:
+        for step in ft.range(5):
+            if step == 4:
+                os.kill(os.getpid(), signal.SIGUSR1)
+    assert ft.completed
+    end = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "exit"][-1]
+    assert end["completed"] is True and end["step"] == 5 and end["requeue"] is True, end
+    assert (tmp_path / "checkpoints" / "step-00000005").is_dir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FTKIT_", "SLURM_"))}
+    said = subprocess.run([sys.executable, "-m", "ftkit", "requeue", "--dry-run", str(tmp_path), "--exit-code", "0"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert "training completed (step 5)" in said.stdout + said.stderr, said.stdout + said.stderr
+
+
 def test_burst_while_saving_changes_only_the_log(tmp_path: Path) -> None:
     """Save requests that arrive before a save has finished are covered by it."""
 

@@ -210,3 +210,132 @@ def test_kill_switch_present_at_start_trains_nothing(tmp_path):
     assert run.stopped and not run.completed and run.output is None
     assert trainer.state.global_step == 0 and not list(out.glob("checkpoint-*"))
     assert all(torch.equal(before[k], v) for k, v in _weights(trainer).items())
+
+
+def test_a_sigterm_at_max_steps_completes_the_run_and_its_ending_runs(tmp_path):
+    """SIGTERM decided at step 5 of 5 (the launcher): the checkpoint is sealed, and the run is
+    complete, not stopped: the script's own ending runs (final.pt) and nothing asks for a requeue
+    that would train nothing (Trainer resumed at max_steps trains one step more)."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "ftkit.integrations.hf", str(PROGRAM), str(out), "--steps", "5",
+                             "--pause-at", "5", "--mode", "launcher"],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: (out / "paused").exists() or proc.poll() is not None, timeout=60, what="step 5")
+        proc.send_signal(signal.SIGTERM)
+        log = proc.communicate(timeout=60)[0].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, log
+    assert (out / "final.pt").exists(), log  # SystemExit(0) of a stopped run would have skipped it
+    assert inspect(out / "checkpoint-5", checksums=True).valid
+    exit_ = [e for e in read_events(out / "events.jsonl") if e["event"] == "exit"][-1]
+    assert exit_["completed"] is True and exit_["step"] == 5, exit_
+    requeue = subprocess.run([sys.executable, "-m", "ftkit", "requeue", "--dry-run", str(out),
+                              "--exit-code", "0"], env=_env(), capture_output=True, text=True, timeout=60)
+    assert "completed" in requeue.stdout + requeue.stderr, requeue.stdout + requeue.stderr
+
+
+def test_trainer_checkpoints_from_before_ftkit_are_resumed_and_never_deleted(tmp_path):
+    """A user adds ftkit to a run whose output dir holds Trainer's own checkpoints (no sentinel,
+    no manifest): the next run resumes from the newest of them, not from scratch, and ends bit
+    for bit where an uninterrupted run ends; retention (keep_last=1) deletes none of them, and
+    the CLI lists them as unsealed, not as saves that never finished."""
+    out = tmp_path / "run"
+
+    class StopAt6(program.TrainerCallback):  # the job that ended (a time limit) before ftkit was added
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 6
+
+    before = program.build_trainer(out, 9, [StopAt6()], save_strategy="steps", save_steps=3)
+    before.train()  # plain Trainer, no ftkit: checkpoint-3 and checkpoint-6
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
+    assert inspect(out / "checkpoint-6").status == "unsealed"
+    reference = program.build_trainer(tmp_path / "reference", 9)
+    reference.train()
+
+    config = ftkit.Config(signals=QUIET.signals, watch=QUIET.watch, budget=QUIET.budget, save_every=9,
+                          checkpoint=ftkit.CheckpointConfig(root=tmp_path / "unused", keep_last=1))
+    trainer = program.build_trainer(out, 9)
+    run = train(trainer, config=config)
+    assert run.completed and run.resumed_from == str(out / "checkpoint-6")
+    for name, tensor in _weights(reference).items():
+        assert torch.equal(_weights(trainer)[name], tensor), name
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6", "checkpoint-9"]
+    assert inspect(out / "checkpoint-9", checksums=True).valid
+    status = subprocess.run([sys.executable, "-m", "ftkit", "status", str(out), "--json"], env=_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert [(c["step"], c["status"]) for c in json.loads(status.stdout)["checkpoints"]] == [
+        (9, "valid"), (6, "unsealed"), (3, "unsealed")]
+
+
+def test_a_crashed_saves_leftovers_are_not_sealed_into_the_next_save(tmp_path):
+    """checkpoint-4 as a save killed during it leaves it (ftkit's sentinel, a half-written temp
+    file): the next run deletes it before training, so its save of step 4 seals only what
+    Trainer wrote then."""
+    out = tmp_path / "run"
+    crashed = arm(out / "checkpoint-4")
+    (crashed / ".tmpWBLnZe").write_bytes(b"\0" * 4096)  # what a kill -9 during a write leaves
+    config = ftkit.Config(signals=QUIET.signals, watch=QUIET.watch, budget=QUIET.budget, save_every=4)
+    run = train(program.build_trainer(out, 4), config=config)
+    assert run.completed and run.resumed_from is None
+    info = inspect(out / "checkpoint-4", checksums=True)
+    assert info.valid and ".tmpWBLnZe" not in info.files and not (out / "checkpoint-4" / ".tmpWBLnZe").exists()
+    deletes = [e for e in read_events(out / "events.jsonl") if e["event"] == "delete"]
+    assert [(e["step"], e["status"]) for e in deletes] == [(4, "incomplete")], deletes
+
+
+def test_the_cli_finds_trainers_checkpoints_before_a_runs_first_save_and_in_a_copied_job_dir(tmp_path):
+    """A run that found the kill-switch at start saved nothing, yet `ftkit verify` checks the
+    output dir's checkpoint-N (its start event names it); a copy of the job dir is verified
+    as the copy, not as the directory its events log names."""
+    out = tmp_path / "run"
+    config = ftkit.Config(signals=QUIET.signals, watch=QUIET.watch, budget=QUIET.budget, save_every=2)
+    assert train(program.build_trainer(out, 4), config=config).completed
+    (out / "kill-switch").touch()
+    assert train(program.build_trainer(out, 6), config=config).stopped
+    verify = subprocess.run([sys.executable, "-m", "ftkit", "verify", str(out)], env=_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert verify.returncode == 0 and "all 2 checkpoint(s) valid" in verify.stdout, verify.stdout + verify.stderr
+    # the requeue helper sees the progress in Trainer's output dir (a crash after progress is
+    # not one "with no newer checkpoint")
+    from ftkit.slurm.env import SlurmEnv
+    from ftkit.slurm.requeue_facts import gather
+
+    assert gather(out, exit_code=1, env=SlurmEnv.from_env({})).end_step == 4
+
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy, symlinks=True)
+    blob = copy / "checkpoint-4" / "model.safetensors"
+    data = bytearray(blob.read_bytes())
+    data[100] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    verify = subprocess.run([sys.executable, "-m", "ftkit", "verify", str(copy)], env=_env(),
+                            capture_output=True, text=True, timeout=60)
+    said = verify.stdout + verify.stderr
+    assert verify.returncode == ftkit.CheckpointError.exit_code and str(copy) in said and "not valid" in said, said
+
+
+def test_launcher_settings_and_mistakes_a_user_makes(tmp_path):
+    """FTKIT_KEEP_LAST without FTKIT_JOBDIR under the launcher (the job dir is the output dir);
+    train(resume_from_checkpoint=...) and a second FtkitCallback are refused before anything
+    starts, saying what to do instead."""
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "ftkit.integrations.hf", str(PROGRAM), str(out), "--steps", "2",
+                           "--mode", "launcher"], env=_env(FTKIT_KEEP_LAST="1", FTKIT_SAVE_EVERY="1"),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-2"]
+
+    trainer = program.build_trainer(tmp_path / "other", 2)
+    with pytest.raises(TypeError, match="pass resume="):
+        train(trainer, config=QUIET, resume_from_checkpoint=True)
+    trainer.add_callback(FtkitCallback())
+    with pytest.raises(ftkit.ConfigError, match="already has an FtkitCallback"):
+        train(trainer, config=QUIET)
+    assert not (tmp_path / "other" / "events.jsonl").exists()

@@ -356,4 +356,4 @@ def test_ctrl_c_where_sigint_is_not_mapped_says_what_was_lost_and_how_to_map_it(
     reached = int(said.split("ended the run at step ")[1].split()[0])
     saved = max(e["step"] for e in read_events(tmp_path / "job" / "events.jsonl") if e["event"] == "save")
     assert reached >= saved >= 10 and f"The next run resumes from step {saved}." in said, said
-    assert "'INT': 'save-exit'" in said
+    assert "'INT': 'save-exit'" in said and "FTKIT_SIGNALS=USR1=requeue,TERM=save-exit,INT=save-exit" in said

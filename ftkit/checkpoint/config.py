@@ -128,9 +128,10 @@ class CheckpointInfo:
     """One checkpoint directory as found on disk.
 
     ``status`` is ``valid``, ``incomplete`` (sentinel present or no manifest: a save that never
-    finished), ``corrupt`` (manifest malformed, a file missing, a size or checksum mismatch) or
+    finished), ``corrupt`` (manifest malformed, a file missing, a size or checksum mismatch),
     ``unreadable`` (an error such as permission denied kept this process from looking: not known
-    to be bad; a load stops at it and nothing deletes it).
+    to be bad; a load stops at it and nothing deletes it) or ``unsealed`` (a Hugging Face
+    ``checkpoint-N`` Trainer wrote before ftkit was added: not verifiable, never deleted).
     ``reason`` says why it is not valid (empty when valid); ``saved_for`` is the free-text reason
     given to ``save`` (e.g. ``save-switch touched (JOBDIR/save-switch)``, ``periodic (every 500
     steps)``, ``SIGTERM received``).

@@ -198,6 +198,9 @@ def checkpoint_root(job: Path, events: Iterable[dict[str, Any]]) -> Root:
     ``JOBDIR/checkpoints`` when it holds step dirs and the recorded root is gone or is another
     job dir's (this job dir was moved or copied: the log keeps the old absolute paths). Without
     such an event, ``JOBDIR/checkpoints``, or the job dir itself where it holds the step dirs.
+    Hugging Face Trainer's ``checkpoint-N`` live in its output dir, named by the ``save`` events
+    and the ``start`` event (``kind`` ``hf``); the job dir itself where it is that output dir,
+    moved or copied.
     """
     from ..checkpoint.format import list_step_dirs, parse_hf_step, parse_step
 
@@ -210,9 +213,14 @@ def checkpoint_root(job: Path, events: Iterable[dict[str, Any]]) -> Root:
         elif isinstance(path, str) and e.get("kind") == "hf" and parse_hf_step(Path(path).name) is not None:
             recorded, hf = Path(path).parent, True  # Trainer's output_dir (its save events say kind "hf")
         elif e.get("event") == "start" and isinstance(e.get("checkpoint_root"), str):
-            recorded, hf = Path(e["checkpoint_root"]), False  # the root a run started with, before it saved
-    if hf and recorded is not None and recorded.is_absolute():
-        return Root(recorded, f"Hugging Face Trainer's output dir, recorded in {job / EVENTS}", hf=True)
+            # the root a run started with, before it saved (Trainer's output dir: kind "hf")
+            recorded, hf = Path(e["checkpoint_root"]), e.get("kind") == "hf"
+    if hf and recorded is not None:
+        root = recorded if recorded.is_absolute() else job / recorded
+        if not _same(root, job) and list_step_dirs(job, parse_hf_step) and (not root.is_dir() or _is_job_dir(root)):
+            # a moved or copied job dir that is its own output dir: the log keeps the old paths
+            return Root(job, "Hugging Face Trainer's output dir: this job dir, moved or copied", hf=True)
+        return Root(root, f"Hugging Face Trainer's output dir, recorded in {job / EVENTS}", hf=True)
     if recorded is None:
         if not default.is_dir() and _is_root(job):
             return Root(job, "the job dir itself holds the step dirs")

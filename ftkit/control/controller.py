@@ -166,6 +166,7 @@ class FaultTolerance:
         self._crash: str | None = None
         self._lease: Lease | None = None
         self.completed = False
+        self._start_fields: dict[str, Any] = {}  # an integration's own, in the start event (its checkpoint root)
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -211,7 +212,7 @@ class FaultTolerance:
             kill_switch=self._no_save_at_start,
             observer=self._watcher.observer_kind,
             deadline=self.budget.end_time,
-            checkpoint_root=str(root),
+            **{"checkpoint_root": str(root), **self._start_fields},
             **self.runclock.start_fields(),
         )
         return self
@@ -305,7 +306,9 @@ class FaultTolerance:
                 last = self._last_saved_step
                 log.warning("ftkit: Ctrl-C (KeyboardInterrupt) ended the run at step %s without a save: SIGINT is "
                             "not mapped. To save and exit on Ctrl-C, map it: Config(signals=SignalConfig(actions="
-                            "{'USR1': 'requeue', 'TERM': 'save-exit', 'INT': 'save-exit'})). %s",
+                            "{'USR1': 'requeue', 'TERM': 'save-exit', 'INT': 'save-exit'})), or "
+                            "FTKIT_SIGNALS=USR1=requeue,TERM=save-exit,INT=save-exit where the config "
+                            "comes from FTKIT_* variables (the Hugging Face launcher). %s",
                             self.runclock.step if self.runclock.step >= 0 else "?",
                             f"The next run resumes from step {last}." if last is not None else
                             "No checkpoint was saved: the next run starts fresh.")
@@ -497,6 +500,9 @@ class FaultTolerance:
         for s in range(first, total):
             yield s
             if self.step(s + 1).exit:
+                # an exit decided at the last step (a signal just then) ends a training that is done
+                # all the same, once its end is saved: no requeue to train nothing
+                self.completed = s + 1 == total and (self._last_saved_step == total or not self.config.save_at_end)
                 return
         if self.config.save_at_end and not self._no_save_at_start and self._last_saved_step != total:
             self.save(total, reason="end of training")  # raises if it fails: the run did not complete

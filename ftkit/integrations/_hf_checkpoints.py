@@ -35,6 +35,7 @@ from ..checkpoint.format import (
     seal,
 )
 from ..checkpoint.format import retain as retain_dirs
+from ..checkpoint.format.commit import delete as delete_dir
 from ..checkpoint.io.files import crc32_file, fsync_dir, fsync_file
 from ..errors import CheckpointError
 
@@ -43,6 +44,7 @@ __all__ = [
     "arm",
     "checkpoint_dirs",
     "commit",
+    "discard_crashed",
     "inspect",
     "latest_valid_checkpoint",
     "retain",
@@ -95,10 +97,18 @@ def latest_valid_checkpoint(
     sentinel, a missing or unreadable ``manifest.json``, a missing file or a size mismatch;
     ``checksums=True`` also recomputes each file's CRC-32. Pass the result to
     ``trainer.train(resume_from_checkpoint=...)``.
+
+    A checkpoint Trainer wrote before ftkit was added (``unsealed``: its ``trainer_state.json``,
+    neither ftkit's sentinel nor a manifest) is taken where it is the newest, with a warning:
+    it cannot be verified, but starting over would throw away the training it holds.
     """
     for step, path in checkpoint_dirs(output_dir):
         info = inspect(path, checksums=checksums)
         if info.valid:
+            return str(path)
+        if info.status == "unsealed":
+            log.warning("resuming from %s, which Trainer wrote without ftkit: it has no manifest.json, so its "
+                        "files cannot be verified (the next saves are sealed by ftkit)", path)
             return str(path)
         log.warning("skipping %s (%s): %s", path, info.status, info.reason)
         if events is not None:
@@ -189,6 +199,23 @@ def discard_if_empty(path: str | os.PathLike[str]) -> bool:
     except OSError:
         return False
     return True
+
+
+def discard_crashed(output_dir: str | os.PathLike[str], *, events: Any = None) -> list[Path]:
+    """Delete the ``checkpoint-N`` directories that still hold ftkit's sentinel: saves an earlier
+    run began and never finished (killed during it, its node lost). Trainer would write the
+    same step into such a directory, and its commit would seal what the crash left there (a
+    half-written temporary file) with the new files. Call before any save of this run
+    (``on_train_begin``); a directory Trainer wrote without ftkit has no sentinel and stays."""
+    root = Path(output_dir)
+    deleted = []
+    for _step, path in checkpoint_dirs(root):
+        if not os.path.lexists(path / SENTINEL):
+            continue
+        if delete_dir(root, inspect(path), "leftover of a save an earlier run never finished", parse=parse_hf_step,
+                      emit=events.emit if events is not None else None):
+            deleted.append(path)
+    return deleted
 
 
 # -- retention -----------------------------------------------------------------------------

@@ -33,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if ns.jobdir:
         os.environ["FTKIT_JOBDIR"] = ns.jobdir
-    config_from_env()  # a bad FTKIT_* value fails here, before any training starts
+    # a bad FTKIT_* value fails here, before any training starts (the job dir is known only at
+    # train(): FTKIT_JOBDIR, else the Trainer's output_dir; any directory checks the values)
+    config_from_env(jobdir=ns.jobdir or os.environ.get("FTKIT_JOBDIR") or os.getcwd())
     patch_trainer()
     if ns.module is not None:
         sys.argv = [ns.module, *ns.target]

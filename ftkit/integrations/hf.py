@@ -39,11 +39,12 @@ from transformers import TrainerCallback
 from ..control.controller import Config, FaultTolerance
 from ..decision import Decision
 from ..envvars import config_from_env, jobdir_from_env
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ._hf_checkpoints import (
     PREFIX,
     arm,
     commit,
+    discard_crashed,
     discard_if_empty,
     latest_valid_checkpoint,
     parse_hf_step,
@@ -144,9 +145,13 @@ class FtkitCallback(TrainerCallback):
             jobdir = self._jobdir or jobdir_from_env() or args.output_dir
             config = self._config or config_from_env(jobdir=jobdir)
             self.ft = FaultTolerance(jobdir, config=config)
+        if not self.ft._started:  # the start event names Trainer's output dir as the checkpoint root
+            self.ft._start_fields = _hf_root(args.output_dir)
         self.ft.start()
         self.decision = None
         self.completed = False
+        if args.should_save:  # before any save of this run: a crashed save's directory is not written into
+            discard_crashed(args.output_dir, events=self.ft.events)
         if args.save_total_limit is not None and args.should_save:
             log.warning(
                 "save_total_limit=%s: Trainer deletes old checkpoints before ftkit has sealed the new "
@@ -184,7 +189,9 @@ class FtkitCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._discard_unused()
-        self.completed = self.decision is None and state.global_step >= state.max_steps
+        # an exit decided at max_steps itself (a signal just then) ends a training that is done
+        # all the same, once its end is saved: no requeue, and the script's own ending runs
+        self.completed = state.global_step >= state.max_steps and (self.decision is None or self.decision.save)
         if self.ft is not None:
             self.ft.completed = self.completed
             if self._owns_ft:
@@ -261,6 +268,12 @@ class Run:
     """ftkit stopped the run (an exit decision or a kill-switch present at start)."""
 
 
+def _hf_root(output_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """The start event's fields that name Trainer's output dir as the run's checkpoint root
+    (``ftkit status``, ``ls`` and ``verify`` find its ``checkpoint-N`` there before the run saves)."""
+    return {"checkpoint_root": str(Path(output_dir).absolute()), "kind": "hf"}
+
+
 def _resume_path(ft: FaultTolerance, output_dir: str, resume: bool | str, checksums: bool) -> str | None:
     if resume is False:
         return None
@@ -297,6 +310,14 @@ def _run(
     config = config if config is not None else config_from_env(jobdir=jobdir)
     ft = FaultTolerance(jobdir, config=config)
     callback = FtkitCallback(ft)
+    theirs = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, FtkitCallback)]
+    if theirs:
+        raise ConfigError(
+            "this Trainer already has an FtkitCallback, and train() (or python -m ftkit.integrations.hf, "
+            "which calls it) adds its own: use one of them. With train() or the launcher, remove the "
+            "FtkitCallback from the script; to keep the callback, run the script with plain python/torchrun "
+            "and call trainer.train() yourself")
+    ft._start_fields = _hf_root(trainer.args.output_dir)
     with ft, _active(trainer):
         if ft.stopping:
             log.warning("ftkit: kill-switch present, not training")
@@ -304,7 +325,7 @@ def _run(
         resumed = _resume_path(ft, trainer.args.output_dir, resume, checksums)
         if resumed is not None:
             step = parse_hf_step(Path(resumed).name)
-            ft.events.emit("resume", step=step, path=resumed)
+            ft.events.emit("resume", step=step, path=resumed, kind="hf")
             ft._last_saved_step = step  # shown in the exit event if nothing newer is saved
         else:
             ft.events.emit("resume", step=None)
@@ -314,7 +335,7 @@ def _run(
         finally:
             callback.detach(trainer)
         return Run(output, callback.completed, callback.decision, resumed,
-                   stopped=callback.decision is not None)
+                   stopped=callback.decision is not None and not callback.completed)
 
 
 def train(
@@ -332,8 +353,11 @@ def train(
     files and ``events.jsonl``; ``config`` defaults to the ``FTKIT_*`` variables. ``resume``:
     True picks :func:`latest_valid_checkpoint` of ``args.output_dir`` (``checksums`` verifies
     CRC-32s too), False starts fresh, a path resumes from it. Other keywords go to
-    ``trainer.train``.
+    ``trainer.train`` (but not ``resume_from_checkpoint``: that is ``resume``).
     """
+    if "resume_from_checkpoint" in train_kwargs:
+        raise TypeError("train(trainer, resume_from_checkpoint=...): pass resume=... instead (True: the newest "
+                        "valid checkpoint, the default; False: start fresh; a path: that checkpoint)")
     return _run(trainer, lambda ckpt: trainer.train(resume_from_checkpoint=ckpt, **train_kwargs),
                 jobdir=jobdir, config=config, resume=resume, checksums=checksums)
 

@@ -97,7 +97,7 @@ def decide(
     env: SlurmEnv | None = None,
     policy: RequeuePolicy | None = None,
     runner: Runner | None = None,
-    checkpoints_lookup: Callable[[Path], int | None] = newest_checkpoint_step,
+    checkpoints_lookup: Callable[[Path], int | None] | None = None,
     clock: Callable[[], float] = time.time,
 ) -> RequeueDecision:
     """Decide whether the run that just ended with ``exit_code`` is requeued. Reads only:
@@ -192,7 +192,7 @@ def finish_run(
     script: str | os.PathLike[str] | None = None,
     runner: Runner | None = None,
     sbatch: Callable[..., str] | None = None,
-    checkpoints_lookup: Callable[[Path], int | None] = newest_checkpoint_step,
+    checkpoints_lookup: Callable[[Path], int | None] | None = None,
     clock: Callable[[], float] = time.time,
     saver_wait: float = 600.0,
 ) -> RunOutcome:

@@ -171,13 +171,13 @@ def gather(
     """Read the facts about the run that just ended with ``exit_code``. Reads only.
 
     ``checkpoints_lookup`` (default :func:`newest_checkpoint_step`) finds the newest valid
-    checkpoint's step under ``JOBDIR/checkpoints``.
+    checkpoint's step in the job's checkpoint root: ``JOBDIR/checkpoints``, or the root its
+    events log names (a ``CheckpointConfig(root=...)`` elsewhere, Hugging Face Trainer's output dir).
     """
     job = JobDir.of(jobdir)
     if not job.root.is_dir():
         raise ConfigError(f"job dir {job.root} does not exist; pass the JOBDIR the batch script uses")
     env = env if env is not None else SlurmEnv.from_env()
-    lookup = checkpoints_lookup if checkpoints_lookup is not None else newest_checkpoint_step
 
     info: dict[str, str] | None = None
     if env.job_id is not None:
@@ -187,6 +187,11 @@ def gather(
             log.warning("cannot ask SLURM about job %s, deciding without it: %s", env.job_id, exc)
 
     all_events = list(read_events(job.events))
+    from ..cli._paths import checkpoint_root
+
+    root = checkpoint_root(job.root, all_events)
+    end_step = (checkpoints_lookup(root.path) if checkpoints_lookup is not None
+                else newest_checkpoint_step(root.path, hf=root.hf))
     run_events = _this_run(all_events, env)
     start = _last(run_events, "start")
     return RunFacts(
@@ -197,15 +202,21 @@ def gather(
         kill_switch=switch_is_set(job, "kill"),
         requests=tuple((str(path), _contents(path)) for path in request_files(job)),
         runs=tuple(read_runs(job.runs)),
-        end_step=lookup(job.checkpoints),
+        end_step=end_step,
         end_time=clock(),
     )
 
 
-def newest_checkpoint_step(root: str | os.PathLike[str]) -> int | None:
+def newest_checkpoint_step(root: str | os.PathLike[str], *, hf: bool = False) -> int | None:
     """Step of the newest valid checkpoint under ``root`` (``JOBDIR/checkpoints``), or None.
-    Uses ftkit's checkpoint manager, which validates manifests."""
-    from ..checkpoint import CheckpointConfig, make_manager
+    Uses ftkit's checkpoint manager, which validates manifests; ``hf``: Trainer's sealed
+    ``checkpoint-N`` directories."""
+    from ..checkpoint import CheckpointConfig, make_manager, validate_dir
+
+    if hf:
+        from ..checkpoint.format import list_step_dirs, parse_hf_step
+
+        return next((step for step, path in list_step_dirs(root, parse_hf_step) if validate_dir(path).valid), None)
 
     manager = make_manager(CheckpointConfig(root=Path(root)), events=None, rank=0, world_size=1)
     steps = [int(info.step) for info in manager.list() if info.valid]

@@ -42,6 +42,9 @@ __all__ = [
 
 FORMAT = "ftkit-checkpoint"
 VERSION = 1
+HF_TRAINER_STATE = "trainer_state.json"
+"""What Trainer writes into a ``checkpoint-N`` last: one without ftkit's sentinel and manifest
+that holds it was saved before ftkit was added (``unsealed``), not a save that never finished."""
 
 
 @functools.cache
@@ -213,6 +216,10 @@ def known_broken(problem: str) -> bool:
 def validate_dir(path: str | os.PathLike[str], *, checksums: bool = False) -> CheckpointInfo:
     """Describe the checkpoint directory ``path``; never raises for a bad checkpoint.
 
+    ``unsealed``: a Hugging Face ``checkpoint-N`` that Trainer wrote without ftkit (its
+    ``trainer_state.json``, neither ftkit's sentinel nor a manifest): not known to be bad, not
+    verifiable; a resume takes it where it is the newest, and nothing deletes it.
+
     ``unreadable``: an error such as permission denied, an I/O or a network filesystem error
     kept this process from looking: the checkpoint is not known to be bad, so
     a load stops rather than fall back past it and nothing deletes it."""
@@ -234,6 +241,9 @@ def validate_dir(path: str | os.PathLike[str], *, checksums: bool = False) -> Ch
         if _exists(path / SENTINEL):
             return info("incomplete", f"{SENTINEL} present: the save never finished")
         if not _exists(path / MANIFEST):
+            if parse_hf_step(path.name) is not None and _exists(path / HF_TRAINER_STATE):
+                return info("unsealed", f"written without ftkit (Trainer's {HF_TRAINER_STATE}, no "
+                                        f"{SENTINEL}, no manifest.json): its files cannot be verified")
             return info("incomplete", "no manifest.json: the save never finished")
         manifest = read_manifest(path)
     except FileNotFoundError as exc:  # gone meanwhile (retention, a person)

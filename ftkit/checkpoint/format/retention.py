@@ -47,8 +47,8 @@ def plan_retention(
     kept_valid = {i.step for i in window}
     out: list[tuple[CheckpointInfo, str]] = []
     for info in ordered:
-        if info.pinned or info.step in in_progress or info.step < 0 or info.status == "unreadable":
-            continue  # (unreadable: not known to be bad, never deleted)
+        if info.pinned or info.step in in_progress or info.step < 0 or info.status in ("unreadable", "unsealed"):
+            continue  # (not known to be bad, never deleted; unsealed: Trainer's, from before ftkit)
         if info.valid:
             if info.step in kept_valid or info.step == newest_valid:
                 continue
