@@ -155,12 +155,12 @@ def _run_ops(base: Path, ops, keep_last, keep_every):
             finally:
                 manager_mod.write_state_file = real_write
             assert validate_dir(root / f"step-{step:08d}").status == "incomplete"
-        elif op == "crash-leftover":
-            d = root / f"step-{step:08d}"
+        elif op == "crash-leftover":  # a save killed after its sentinel, or between its mkdir and sentinel
+            d = root / f"step-{step:08d}"  # (files without either are not ftkit's: never deleted, tested below)
             d.mkdir()
             if arg:
                 (d / "checkpoint-is-incomplete").touch()
-            (d / "rank-00000.pt").write_bytes(b"partial")
+                (d / "rank-00000.pt").write_bytes(b"partial")
         elif op in ("pin", "unpin") and committed:
             target = committed[arg % len(committed)]
             if (root / f"step-{target:08d}").is_dir():
@@ -182,3 +182,28 @@ def _run_ops(base: Path, ops, keep_last, keep_every):
         newest = committed[-1]
         assert all(i.valid or i.step > newest or i.pinned for i in mgr.list())
     os.sync()
+
+
+def test_a_directory_ftkit_did_not_write_is_never_deleted(tmp_path, caplog):
+    """A person's files under step-like names in the checkpoint root (neither the sentinel ftkit
+    creates first nor a manifest): retention leaves them with a warning naming them, and a
+    save of the same step stops with an error naming the path instead of "File exists"."""
+    root = tmp_path / "ckpt"
+    mine = root / "step-00000007"
+    mine.mkdir(parents=True)
+    (mine / "NOTES.txt").write_text("eval notes")
+    (root / "step-00000030").write_text("a file, not a directory")
+    empty = root / "step-00000003"  # a save killed between its mkdir and its sentinel
+    empty.mkdir()
+    assert "not a save of ftkit's" in validate_dir(mine).reason
+    mgr = make_mgr(root, keep_last=1)
+    for step in (10, 20):
+        mgr.save(step, small_state(step))
+    assert (mine / "NOTES.txt").read_text() == "eval notes"
+    assert not empty.exists() and not (root / "step-00000010").exists()
+    assert any(f"refusing to delete {mine}" in r.getMessage() and "move it out of" in r.getMessage()
+               for r in caplog.records)
+    with pytest.raises(CheckpointError, match=r"step-00000030 is in the way and ftkit did not write it"):
+        mgr.save(30, small_state(30))
+    assert (root / "step-00000030").read_text() == "a file, not a directory"
+    assert validate_dir(root / "step-00000020").valid

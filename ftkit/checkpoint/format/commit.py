@@ -272,7 +272,9 @@ class Committer:
                 return validate_dir(path)
             if info.status == "unreadable":  # not known to be bad: not this save's to delete
                 raise CheckpointError(f"cannot save step {step}: {path} is already there and {info.reason}")
-            self.delete(info, "replaced by a new save of the same step")
+            if not self.delete(info, "replaced by a new save of the same step") and os.path.lexists(path):
+                raise CheckpointError(f"cannot save step {step}: {path} is in the way and ftkit did not write it "
+                                      f"({info.reason or info.status}); move it out of {self.root}")
         try:
             os.mkdir(path)
         except OSError as exc:

@@ -24,6 +24,7 @@ __all__ = [
     "PIN",
     "SENTINEL",
     "list_step_dirs",
+    "not_ftkits",
     "parse_hf_step",
     "parse_step",
     "rank_file",
@@ -63,6 +64,17 @@ def parse_hf_step(name: str) -> int | None:
     """The step of a Hugging Face Trainer ``checkpoint-N`` directory, else None."""
     m = _HF_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+def not_ftkits(path: Path) -> bool:
+    """A directory with entries but neither ftkit's sentinel nor a manifest (see
+    :func:`delete_checkpoint`); False where it cannot be read (the deletion says why)."""
+    try:
+        with os.scandir(path) as entries:
+            names = {e.name for e in entries}
+    except OSError:
+        return False
+    return bool(names) and SENTINEL not in names and MANIFEST not in names
 
 
 def is_real_dir(path: str | os.PathLike[str]) -> bool:

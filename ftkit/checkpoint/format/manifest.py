@@ -28,7 +28,7 @@ from typing import Any
 from ..config import CheckpointInfo
 from ..io.files import CHECKSUM, atomic_write_bytes
 from ..io.reader import FileProblem, check_file
-from .layout import MANIFEST, PIN, SENTINEL, parse_hf_step, parse_step
+from .layout import MANIFEST, PIN, SENTINEL, not_ftkits, parse_hf_step, parse_step
 
 __all__ = [
     "FORMAT",
@@ -244,6 +244,9 @@ def validate_dir(path: str | os.PathLike[str], *, checksums: bool = False) -> Ch
             if parse_hf_step(path.name) is not None and _exists(path / HF_TRAINER_STATE):
                 return info("unsealed", f"written without ftkit (Trainer's {HF_TRAINER_STATE}, no "
                                         f"{SENTINEL}, no manifest.json): its files cannot be verified")
+            if not_ftkits(path):  # files, but not even the sentinel ftkit creates before any of them
+                return info("incomplete", f"neither manifest.json nor {SENTINEL}: not a save of ftkit's (files "
+                                          "of someone else's under a checkpoint's name?); ftkit never deletes it")
             return info("incomplete", "no manifest.json: the save never finished")
         manifest = read_manifest(path)
     except FileNotFoundError as exc:  # gone meanwhile (retention, a person)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ...errors import CheckpointError
 from ..config import CheckpointInfo
-from .layout import SENTINEL, parse_step
+from .layout import MANIFEST, SENTINEL, not_ftkits, parse_step
 
 __all__ = ["delete_checkpoint", "plan_retention"]
 
@@ -83,8 +83,11 @@ def delete_checkpoint(
 
     Refuses anything not named like a step directory (``parse``: ftkit's ``step-N`` names, or the
     Hugging Face integration's ``checkpoint-N``), not directly inside ``root`` or not a
-    real directory (a symlink is never followed, let alone deleted through). The sentinel
-    is created first, so a deletion cut short leaves a directory that reads as incomplete.
+    real directory (a symlink is never followed, let alone deleted through), and a directory
+    that holds files but neither ftkit's sentinel nor a manifest: ftkit creates the sentinel
+    before it writes anything, so such a directory is not a save of ftkit's (a person's files
+    under a step-like name) and is not ftkit's to delete. The sentinel is created first, so
+    a deletion cut short leaves a directory that reads as incomplete.
     """
     root_real = os.path.realpath(root)
     path = Path(path)
@@ -99,8 +102,12 @@ def delete_checkpoint(
     except FileNotFoundError:
         return
     if not stat.S_ISDIR(st.st_mode):
+        what = "a symlink (never followed)" if stat.S_ISLNK(st.st_mode) else "a file, not a directory"
+        raise CheckpointError(f"refusing to delete {path}: {what}; move it out of {root}")
+    if not_ftkits(path):
         raise CheckpointError(
-            f"refusing to delete {path}: not a real directory (symlinks are never followed)"
+            f"refusing to delete {path}: it holds files but neither {SENTINEL} nor {MANIFEST}, so ftkit "
+            f"did not write it; move it out of {root}"
         )
     try:
         fd = os.open(path / SENTINEL, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
