@@ -390,3 +390,18 @@ def test_a_hang_is_lost_time_and_its_steps_are_redone() -> None:
     assert first["buckets"]["exit_wait"] == pytest.approx(25.0), first
     assert first["buckets"]["productive"] == pytest.approx(100.0), first
     assert sum(first["buckets"].values()) == pytest.approx(first["wall"])
+
+
+def test_a_multi_rank_crash_names_the_rank_that_failed_first() -> None:
+    """Rank 1 raises; rank 0 ends 0.6 s later with gloo's echo of it: the run's cause is rank
+    1's error, named, not rank 0's "Connection closed by peer"."""
+    from ftkit.report import parse_runs
+
+    log = _records([("start", {"process_start": 0.0, "world_size": 2}), ("progress", {"step": 20})])
+    t = log[-1]["time"]
+    log += [{"time": t + 1.0, "event": "exit", "rank": 1, "pid": 77, "step": None, "error": "RuntimeError: boom at step 25"},
+            {"time": t + 1.6, "event": "exit", "rank": 0, "pid": 1, "step": None,
+             "error": "RuntimeError: [gloo] Connection closed by peer"}]
+    [run] = parse_runs(log)
+    assert run.cause == "crash: RuntimeError: boom at step 25 (rank 1, the first rank to fail)", run.cause
+    assert run.unplanned

@@ -186,6 +186,17 @@ def _run(index: int, events: list[dict[str, Any]]) -> Run:
     return run
 
 
+def _first_error(run: Run) -> str:
+    """The error of the rank that failed first: where one rank raises, the others' errors are
+    mostly its echo (gloo's "Connection closed by peer"), rank 0's among them."""
+    errors = [e for e in run.events if e.get("event") == "exit" and e.get("error")]
+    if not errors:
+        return str((run.exit or {}).get("error"))
+    first = min(errors, key=lambda e: float(e.get("time", 0.0)))
+    rank = int(first.get("rank", 0))
+    return str(first["error"]) if rank == 0 else f"{first['error']} (rank {rank}, the first rank to fail)"
+
+
 def _cause(run: Run) -> tuple[str, bool]:
     """Why the run ended, and whether that was an unplanned interruption."""
     if any(e.get("event") == "hang" for e in run.events):
@@ -198,14 +209,14 @@ def _cause(run: Run) -> tuple[str, bool]:
             # SLURM took the job back while its trainer crashed or was killed: a node lost, as
             # a rule (a preemption is caught as such; an admin's requeue lets it exit cleanly)
             if run.exit is not None:
-                return f"requeued by SLURM after a crash (a node lost?): {run.exit['error']}", True
+                return f"requeued by SLURM after a crash (a node lost?): {_first_error(run)}", True
             return "requeued by SLURM, its trainer killed without an exit record (a node lost?)", True
         return cause, cause.startswith(_UNPLANNED)
     ex = run.exit
     if ex is None:
         return "killed (no exit record)", True
     if ex.get("error"):
-        return f"crash: {ex['error']}", True
+        return f"crash: {_first_error(run)}", True
     if ex.get("completed"):
         return "completed", False
     reasons = "; ".join(ex.get("reasons") or [])
