@@ -10,6 +10,7 @@ without touching the training script. Every integration reads the same variables
 ``FTKIT_WATCH``             ``auto``, ``native``, ``polling`` or ``off`` (switch files)
 ``FTKIT_POLL_INTERVAL``     seconds between two scans when polling (> 0)
 ``FTKIT_AGREE_EVERY``       agree across ranks every N steps (>= 1)
+``FTKIT_AGREE_SECONDS``     agree more often when N steps take longer than this (> 0); ``off``: every N
 ``FTKIT_DEADLINE``          UNIX seconds or ISO-8601 time the job must end by
 ``FTKIT_BUDGET_MARGIN``     seconds kept free after the last save (>= 0)
 ``FTKIT_SAVE_EVERY``        also save every N steps (>= 1); ``auto``: measured interval; ``off`` (or 0): only on request
@@ -53,6 +54,7 @@ VARIABLES = (
     "FTKIT_WATCH",
     "FTKIT_POLL_INTERVAL",
     "FTKIT_AGREE_EVERY",
+    "FTKIT_AGREE_SECONDS",
     "FTKIT_DEADLINE",
     "FTKIT_BUDGET_MARGIN",
     "FTKIT_SAVE_EVERY",
@@ -175,8 +177,13 @@ def config_from_env(
         except ConfigError as exc:
             raise ConfigError(f"FTKIT_WATCH: {exc}") from None
 
+    agreement: dict[str, Any] = {}
     if (text := _get(environ, "FTKIT_AGREE_EVERY")) is not None:
-        kw["agreement"] = AgreementConfig(every=_positive_int("FTKIT_AGREE_EVERY", text))
+        agreement["every"] = _positive_int("FTKIT_AGREE_EVERY", text)
+    if (text := _get(environ, "FTKIT_AGREE_SECONDS")) is not None:
+        agreement["max_seconds"] = None if text.lower() in ("off", "none") else _seconds("FTKIT_AGREE_SECONDS", text, allow_zero=False)
+    if agreement:
+        kw["agreement"] = AgreementConfig(**agreement)
 
     budget: dict[str, Any] = {}
     if (text := _get(environ, "FTKIT_DEADLINE")) is not None:

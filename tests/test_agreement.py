@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,12 +56,49 @@ def test_only_one_rank_sees_the_signal_both_decide_at_the_same_step(tmp_path: Pa
     d0, d1 = decisions(tmp_path, 0), decisions(tmp_path, 1)
     assert len(d0) == len(d1) == 1, (d0, d1)
     assert d0[0]["step"] == d1[0]["step"]
-    assert d0[0]["step"] % every == 0 or d0[0]["step"] == 1
+    assert d0[0]["step"] % every == 0 or d0[0]["step"] <= 2  # (the first check, and the next that measures a step)
     assert d0[0]["action"] == d1[0]["action"] == "SAVE_EXIT"
     assert d0[0]["requeue"] is d1[0]["requeue"] is True
     mine, other = (d0, d1) if signalled_rank == 0 else (d1, d0)
     assert mine[0]["reasons"] == ["SIGUSR1 received"]
     assert other[0]["reasons"] == ["SIGUSR1 received by another rank"]
+
+
+@pytest.mark.parametrize("max_seconds", ["2.5", "none"])
+def test_slow_steps_agree_within_max_seconds_not_every_steps(tmp_path: Path, max_seconds: str) -> None:
+    """Steps of 0.5 s and every=10 (10 steps: 5 s): with max_seconds=2.5 the ranks agree every
+    5 steps or fewer (a trigger waits ~2.5 s, not ~5 s: SLURM's SIGKILL comes 30 s after its SIGTERM),
+    at multiples of the agreed count on both ranks; with None, every 10 steps as before. A
+    save-switch decides at step A; a signal sent to rank 1 right then decides at A + the count."""
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port, "PYTHONUNBUFFERED": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(PROGRAM), str(tmp_path), "100", "0.5", "--every", "10",
+                                       "--max-seconds", max_seconds], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        wait_for(lambda: all((tmp_path / f"ready-rank{r}").exists() for r in range(2))
+                 or any(p.poll() is not None for p in procs), 90, what="ranks ready")
+        time.sleep(1.5)  # past the first checks (the first agreement, and the next step's, which measures it)
+        (tmp_path / "save-switch").touch()  # seen by both; acted on at the next agreement
+        wait_for(lambda: (tmp_path / "decisions-rank0.jsonl").exists() or any(p.poll() is not None for p in procs),
+                 30, what="the save decision")
+        os.kill(procs[1].pid, signal.SIGUSR1)
+        outs = [p.communicate(timeout=90)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    d0, d1 = decisions(tmp_path, 0), decisions(tmp_path, 1)
+    steps = [d["step"] for d in d0]
+    assert steps == [d["step"] for d in d1] and [d["action"] for d in d0] == ["SAVE", "SAVE_EXIT"], (d0, d1)
+    cadence = steps[1] - steps[0]  # 2.5 s / the slowest rank's step time (0.5 s + the check's, and load)
+    assert cadence in ((2, 3, 4, 5) if max_seconds == "2.5" else (10,)), steps
+    assert steps[0] % cadence == 0, steps
 
 
 def test_flags_roundtrip_and_kill_wins_over_requeue() -> None:

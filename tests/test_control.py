@@ -279,3 +279,30 @@ def test_a_save_events_seconds_count_the_state_capture(tmp_path: Path, backgroun
         ft.save(1)
     saves = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "save"]
     assert [e["step"] for e in saves] == [1] and saves[0]["seconds"] >= 0.4, saves
+
+
+def test_a_symlinked_job_dir_retargeted_during_the_run_keeps_the_run_in_one_directory(tmp_path: Path) -> None:
+    """``cur -> realA`` at start, ``cur -> realB`` after step 2 (a person reuses the link for a
+    new experiment): the run's later checkpoints, events and lease stay in realA, and realB
+    is free for the run that is started in it."""
+    import torch
+
+    (tmp_path / "realA").mkdir()
+    (tmp_path / "realB").mkdir()
+    cur = tmp_path / "cur"
+    cur.symlink_to("realA")
+    model = torch.nn.Linear(2, 2)
+    cfg = ftkit.Config(save_every=2, watch=ftkit.WatchConfig(mode="off"), budget=ftkit.BudgetConfig(enabled=False))
+    with ftkit.FaultTolerance(cur, state={"model": model}, config=cfg) as ft:
+        for step in ft.range(4):
+            if step == 2:
+                cur.unlink()
+                cur.symlink_to("realB")
+                with ftkit.FaultTolerance(cur, config=cfg) as other:  # not refused: realB is not this run's
+                    assert other.job.root == (tmp_path / "realB").resolve()
+    assert ft.job.root == (tmp_path / "realA").resolve()
+    assert sorted(p.name for p in (tmp_path / "realA" / "checkpoints").glob("step-*")) == [
+        "step-00000002", "step-00000004"]
+    assert not (tmp_path / "realB" / "checkpoints").exists()
+    ends = [e for e in read_events(tmp_path / "realA" / "events.jsonl") if e["event"] == "exit"]
+    assert ends[-1]["completed"] is True and ends[-1]["step"] == 4

@@ -26,6 +26,7 @@ def test_every_variable(tmp_path):
         "FTKIT_WATCH": "Polling",
         "FTKIT_POLL_INTERVAL": "0.25",
         "FTKIT_AGREE_EVERY": "5",
+        "FTKIT_AGREE_SECONDS": "2.5",
         "FTKIT_DEADLINE": "2030-01-01T00:00:00Z",
         "FTKIT_BUDGET_MARGIN": "0",
         "FTKIT_SAVE_EVERY": "100",
@@ -35,7 +36,7 @@ def test_every_variable(tmp_path):
         "SIGUSR2": 1, "SIGTERM": 3, "SIGUSR1": 3}
     assert cfg.signals.resolved[signal.SIGUSR1][1] is False  # 10 = USR1 on Linux, "stop"
     assert cfg.watch.mode == "polling" and cfg.watch.poll_interval == 0.25
-    assert cfg.agreement.every == 5
+    assert cfg.agreement.every == 5 and cfg.agreement.max_seconds == 2.5
     assert cfg.budget.deadline == 1893456000.0 and cfg.budget.margin == 0
     assert cfg.save_every == 100
     assert cfg.checkpoint.keep_last == 2 and cfg.checkpoint.root == tmp_path / "checkpoints"
@@ -65,6 +66,7 @@ def test_off_values(tmp_path):
         ("FTKIT_POLL_INTERVAL", "nan", "seconds"),
         ("FTKIT_AGREE_EVERY", "0", ">= 1"),
         ("FTKIT_AGREE_EVERY", "2.5", "whole number"),
+        ("FTKIT_AGREE_SECONDS", "0", "> 0"),
         ("FTKIT_DEADLINE", "tomorrow", "ISO-8601"),
         ("FTKIT_DEADLINE", "1700000000", "s in the past (a value left from an earlier job?)"),
         ("FTKIT_BUDGET_MARGIN", "-1", ">= 0"),

@@ -7,8 +7,10 @@ and the ranks take the element-wise MAX in one small
 Since every rank maps the same flags to the same decision, a trigger seen by one rank on
 one node reaches all of them at the same step.
 
-The collective runs at the first check and then every ``every`` steps; all ranks must call
-``check`` with the same step numbers (they do in a data-parallel loop).
+The collective runs at the first check and then every ``every`` steps, or more often when
+steps are slow (``max_seconds``); all ranks must call ``check`` with the same step numbers
+(they do in a data-parallel loop). How many steps to the next agreement is itself agreed: the
+vector's last slot carries each rank's wish, and the MAX takes the slowest rank's.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ SOURCE_FLAG = {
     Source.API: Flag.API,
 }
 SIGNALS = len(Flag)  # flags SIGNALS + n - 1: signal n arrived at some rank (n in 1..NSIG - 1)
-WIDTH = SIGNALS + signal.NSIG - 1
+SLACK = SIGNALS + signal.NSIG - 1  # every - the steps this rank wants to the next agreement (MAX: the fewest)
+WIDTH = SLACK + 1
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,16 +68,37 @@ class AgreementConfig:
     device synchronisation on NCCL: raise ``every`` when steps are very short
     (``benchmarks/check_overhead.py`` measures it; docs/benchmarks.md has the figures)."""
 
+    max_seconds: float | None = 5.0
+    """When ``every`` steps take longer than this (by the slowest rank's step time), agree
+    every ``max_seconds / step time`` steps instead (at least every step), so a trigger waits
+    about this long, not ``every`` slow steps: SLURM's ``SIGKILL`` follows its ``SIGTERM``
+    after 30 s (``KillWait``), torchrun's after 30 s too. None: always every ``every`` steps.
+    An agreement per step costs nothing that shows beside steps this slow."""
+
     device: str | None = None
     """Device for the agreement tensor; None picks ``cuda`` for NCCL, ``cpu`` otherwise."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.every, int) or self.every < 1:
             raise ConfigError(f"agreement.every: must be a whole number of steps >= 1, got {self.every!r}")
+        if self.max_seconds is not None and not (isinstance(self.max_seconds, (int, float))
+                                                 and not isinstance(self.max_seconds, bool) and self.max_seconds > 0):
+            raise ConfigError(f"agreement.max_seconds: must be seconds > 0 or None, got {self.max_seconds!r}")
+
+    def steps_to_next(self, step_time: float) -> int:
+        """Steps from one agreement to the next at ``step_time`` seconds a step (0: not measured
+        yet, as at the first check: agree again after one step, which measures it)."""
+        if self.max_seconds is None:
+            return self.every
+        if step_time <= 0:
+            return 1
+        return max(1, min(self.every, int(self.max_seconds // step_time)))
 
 
-def encode(requests: Iterable[Request], *, no_save: bool = False) -> list[int]:
+def encode(requests: Iterable[Request], *, no_save: bool = False, slack: int = 0) -> list[int]:
+    """``slack``: ``every`` minus the steps this rank wants to the next agreement."""
     flags = [0] * WIDTH
+    flags[SLACK] = slack
     for r in requests:
         if r.action & Action.SAVE:
             flags[Flag.SAVE] = 1

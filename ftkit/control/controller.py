@@ -25,7 +25,15 @@ from ..triggers.switches import (
     switch_is_set,
     touched_at,
 )
-from .agreement import WIDTH, AgreementConfig, Collective, decode_flags, decode_signals, encode
+from .agreement import (
+    SLACK,
+    WIDTH,
+    AgreementConfig,
+    Collective,
+    decode_flags,
+    decode_signals,
+    encode,
+)
 from .interval import AutoInterval, IntervalConfig
 from .runclock import RunClock, TimingConfig
 from .watchdog import Watchdog, WatchdogConfig
@@ -131,7 +139,9 @@ class FaultTolerance:
         wallclock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config if config is not None else Config()
-        self.job = JobDir.of(job_dir).ensure()
+        # the directory the path names now, for the whole run: a symlinked job dir retargeted while
+        # the run goes on must not split its checkpoints, events and lease between two directories
+        self.job = JobDir.of(JobDir.of(job_dir).ensure().root.resolve())
         self.rank, self.world_size, self._group = _dist_info(process_group)
         self.state = state
         self._clock = clock
@@ -148,7 +158,8 @@ class FaultTolerance:
         self.watchdog = Watchdog(self.config.watchdog, job_root=self.job.root, events=self.events, rank=self.rank,
                                  world_size=self.world_size, clock=clock, wallclock=wallclock)
         self._collective: Collective | None = None
-        self._every = self.config.agreement.every
+        self._every = self.config.agreement.every  # steps between agreements now (agreed, see check)
+        self._next_agree = 0  # the step of the next agreement
         self._pending: list[Request] = []
         self._final: Decision | None = None
         self._no_save_at_start = False
@@ -370,9 +381,14 @@ class FaultTolerance:
         if step > (self._last_saved_step or 0) and self.budget.due(self._wallclock() + ahead):
             self._take_requests([self.budget.request()], step)
         if self._collective is not None:
-            if not (self._first_check or step % self._every == 0):
+            if not (self._first_check or step >= self._next_agree):
                 return Decision(step)
-            flags = self._collective.reduce(encode(self._pending, no_save=self._no_save_at_start))
+            agreement = self.config.agreement
+            wish = agreement.steps_to_next(self.budget.step_estimate)
+            flags = self._collective.reduce(encode(self._pending, no_save=self._no_save_at_start,
+                                                   slack=agreement.every - wish))
+            self._every = agreement.every - flags[SLACK]  # the same on every rank: the slowest rank's wish
+            self._next_agree = (step // self._every + 1) * self._every  # multiples of it, as every rank counts
         elif self._pending or self._no_save_at_start:
             flags = encode(self._pending, no_save=self._no_save_at_start)
         else:

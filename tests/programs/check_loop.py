@@ -1,6 +1,6 @@
 """A training-shaped loop that only asks ftkit what to do; used by trigger tests.
 
-    python check_loop.py JOBDIR STEPS STEP_SECONDS [--every N]
+    python check_loop.py JOBDIR STEPS STEP_SECONDS [--every N] [--max-seconds S|none]
 
 Writes JOBDIR/ready once handlers are installed, records every non-empty decision in
 JOBDIR/decisions.jsonl, and exits when a decision says so. Under torch.distributed
@@ -23,6 +23,7 @@ def main() -> int:
     ap.add_argument("steps", type=int)
     ap.add_argument("step_seconds", type=float)
     ap.add_argument("--every", type=int, default=1)
+    ap.add_argument("--max-seconds", type=lambda v: None if v == "none" else float(v), default=5.0)
     ap.add_argument("--polling", action="store_true")
     args = ap.parse_args()
 
@@ -32,7 +33,7 @@ def main() -> int:
 
         dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     config = ftkit.Config(
-        agreement=ftkit.AgreementConfig(every=args.every),
+        agreement=ftkit.AgreementConfig(every=args.every, max_seconds=args.max_seconds),
         watch=ftkit.WatchConfig(mode="polling" if args.polling else "auto", poll_interval=0.1),
     )
     out = args.jobdir / f"decisions-rank{rank}.jsonl"
