@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import ConfigError
+
 __all__ = ["JobDir"]
 
 SAVE_SWITCH = "save-switch"
@@ -72,6 +74,24 @@ class JobDir:
         return self.root / LEASE_LOCK
 
     def ensure(self) -> JobDir:
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.requests.mkdir(exist_ok=True)
+        """Create the job dir (and its ``requests/``); a :class:`ConfigError` naming the path and
+        the fix when the filesystem refuses."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.requests.mkdir(exist_ok=True)
+        except OSError as exc:
+            raise self.unusable(exc) from exc
         return self
+
+    def unusable(self, exc: OSError) -> ConfigError:
+        """The error of a run that cannot write its job dir's own files (lease, events)."""
+        import errno
+
+        fix = {
+            errno.EROFS: "the filesystem is read-only: give a job dir on a writable one",
+            errno.EACCES: f"this user ({os.getuid()}) may not write there: fix the permissions, or give another job dir",
+            errno.EPERM: f"this user ({os.getuid()}) may not write there: fix the permissions, or give another job dir",
+            errno.ENOSPC: "the filesystem is full: free space (`ftkit ls` lists the checkpoints and their sizes)",
+            errno.EDQUOT: "the disk quota is exhausted: free space or raise the quota",
+        }.get(exc.errno or 0, "fix the filesystem, or give another job dir")
+        return ConfigError(f"cannot use job dir {self.root}: {exc.strerror or exc} on {exc.filename or self.root}; {fix}")

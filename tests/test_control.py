@@ -306,3 +306,31 @@ def test_a_symlinked_job_dir_retargeted_during_the_run_keeps_the_run_in_one_dire
     assert not (tmp_path / "realB" / "checkpoints").exists()
     ends = [e for e in read_events(tmp_path / "realA" / "events.jsonl") if e["event"] == "exit"]
     assert ends[-1]["completed"] is True and ends[-1]["step"] == 4
+
+
+def test_a_read_only_or_full_job_dir_is_refused_naming_the_file_and_the_fix(small_fs: Path) -> None:
+    """A job dir on a filesystem remounted read-only, and on one that is full: the run stops at
+    start with a ConfigError naming the file it could not write and what to do, not a raw
+    OSError traceback."""
+    import subprocess
+
+    cfg = ftkit.Config(watch=ftkit.WatchConfig(mode="off"), budget=ftkit.BudgetConfig(enabled=False))
+    (small_fs / "job").mkdir()
+    with open(small_fs / "filler", "wb") as f:  # full: not a block left
+        try:
+            while True:
+                f.write(b"x" * 65536)
+        except OSError:
+            pass
+    with pytest.raises(ftkit.ConfigError, match=r"cannot use job dir .*job: No space left on device on .*lease.*"
+                                                r"the filesystem is full"):
+        ftkit.FaultTolerance(small_fs / "job", config=cfg).start()
+    ro = small_fs.parent / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(ro)], check=True)
+    try:
+        with pytest.raises(ftkit.ConfigError, match=r"cannot use job dir .*other: Read-only file system on .*other.*"
+                                                    r"read-only: give a job dir on a writable one"):
+            ftkit.FaultTolerance(ro / "other", config=cfg)
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], check=False)

@@ -59,6 +59,11 @@ def test_a_load_stops_at_a_checkpoint_it_cannot_read(tmp_path: Path) -> None:
     ls = without_override(sys.executable, "-m", "ftkit", "ls", str(root.parent))
     assert "unreadable" in ls.stdout + ls.stderr and "corrupt" not in ls.stdout, ls.stdout + ls.stderr
     assert "incomplete" not in ls.stdout, ls.stdout
+    # and `ftkit status` says the next run stops there, not that it resumes from step 1
+    status = without_override(sys.executable, "-m", "ftkit", "status", str(root.parent), "--json")
+    verdict = json.loads(status.stdout)["verdict"]
+    assert verdict.startswith("if the job dies now, its next run stops at step 2 instead of resuming"), verdict
+    assert str(manifest) in verdict, verdict
 
     # a directory it cannot enter reads as unreadable too, not as an incomplete leftover
     manifest.chmod(0o644)

@@ -128,6 +128,15 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
     if newest is None and not root.exists and root.found_in:
         verdict = (f"cannot tell what the job resumes from: {root} does not exist here (deleted, or on a "
                    "filesystem not mounted on this machine)")
+    # what a resume meets first, newest first: ftkit's load stops at a checkpoint it cannot read
+    # (not known to be bad); a Hugging Face resume passes it, and takes Trainer's own (unsealed)
+    met = next((c for c in items if c["valid"] or c["status"] == ("unsealed" if root.hf else "unreadable")), None)
+    if met is not None and met["status"] == "unreadable":
+        verdict = (f"if the job dies now, its next run stops at step {met['step']} instead of resuming "
+                   f"({met['reason']})")
+    elif met is not None and met["status"] == "unsealed":
+        verdict = (f"if the job dies now, it resumes from step {met['step']}, a checkpoint Trainer wrote without "
+                   "ftkit (not verifiable)")
     elif newest is None:
         verdict = "no valid checkpoint yet: if the job dies now, it starts from scratch"
     else:

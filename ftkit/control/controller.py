@@ -203,12 +203,15 @@ class FaultTolerance:
 
         root = (self.config.checkpoint or CheckpointConfig()).under(self.job.root).root
         outside = not root.resolve().is_relative_to(self.job.root.resolve())
-        self._lease = take_lease(
-            self.job, self.config.lease, events=self.events, rank=self.rank, world_size=self.world_size,
-            group=self._group, device=self.config.agreement.device, job_id=slurm.job_id,
-            restart_count=slurm.restart_count, idle_if_busy=killed,
-            on_lost=lambda why: self.box.post(Request(Action.EXIT, Source.API, why, requeue=False)),
-            checkpoint_root=root if outside else None)
+        try:
+            self._lease = take_lease(
+                self.job, self.config.lease, events=self.events, rank=self.rank, world_size=self.world_size,
+                group=self._group, device=self.config.agreement.device, job_id=slurm.job_id,
+                restart_count=slurm.restart_count, idle_if_busy=killed,
+                on_lost=lambda why: self.box.post(Request(Action.EXIT, Source.API, why, requeue=False)),
+                checkpoint_root=root if outside else None)
+        except OSError as exc:  # lease.lock / lease.json: a read-only, full or foreign job dir
+            raise self.job.unusable(exc) from exc
         self._started = True
         try:
             self._start_triggers(killed)
