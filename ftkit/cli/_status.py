@@ -125,13 +125,13 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
     time_left = slurm.get("time_left") if slurm else None
     if time_left is None and deadline is not None and running:
         time_left = float(deadline) - now
-    if newest is None and not root.exists and root.found_in:
-        verdict = (f"cannot tell what the job resumes from: {root} does not exist here (deleted, or on a "
-                   "filesystem not mounted on this machine)")
     # what a resume meets first, newest first: ftkit's load stops at a checkpoint it cannot read
     # (not known to be bad); a Hugging Face resume passes it, and takes Trainer's own (unsealed)
     met = next((c for c in items if c["valid"] or c["status"] == ("unsealed" if root.hf else "unreadable")), None)
-    if met is not None and met["status"] == "unreadable":
+    if newest is None and not root.exists and root.found_in:
+        verdict = (f"cannot tell what the job resumes from: {root} does not exist here (deleted, or on a "
+                   "filesystem not mounted on this machine)")
+    elif met is not None and met["status"] == "unreadable":
         verdict = (f"if the job dies now, its next run stops at step {met['step']} instead of resuming "
                    f"({met['reason']})")
     elif met is not None and met["status"] == "unsealed":
