@@ -77,3 +77,25 @@ def test_leftover_of_an_earlier_run_is_removed_before_the_next_save(small_fs):
     assert restarted.load({"w": torch.zeros(10)}) == 1
     assert restarted.save(3, {"w": torch.ones(10)}).valid
     assert sorted(p.name for p in root.glob("step-*")) == ["step-00000001", "step-00000003"]
+
+
+def test_a_lower_keep_last_gets_the_room_back_on_a_full_disk(small_fs, tmp_path):
+    """A run with keep_last=3 fills the 2 MiB disk (three ~600 KB checkpoints, the fourth save
+    fails); the next run, given keep_last=1 for it, deletes the two oldest before its first
+    save, which then fits: the newest valid checkpoint stays throughout."""
+    root = small_fs / "checkpoints"
+    events = EventLog(tmp_path / "events.jsonl")
+    state = {"w": torch.ones(150_000)}
+    first = make_mgr(root, keep_last=3, events=events)
+    for step in (1, 2, 3):
+        first.save(step, state)
+    with pytest.raises(CheckpointError, match="ENOSPC"):
+        first.save(4, state)
+    first.close()
+
+    again = make_mgr(root, keep_last=1, events=events)
+    again.save(5, state)
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000005"]
+    assert validate_dir(root / "step-00000005", checksums=True).valid
+    deleted = [e["step"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "delete"]
+    assert sorted(deleted) == [1, 2, 3, 4], deleted

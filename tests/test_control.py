@@ -334,3 +334,38 @@ def test_a_read_only_or_full_job_dir_is_refused_naming_the_file_and_the_fix(smal
             ftkit.FaultTolerance(ro / "other", config=cfg)
     finally:
         subprocess.run(["umount", "-l", str(ro)], check=False)
+
+
+def test_saves_that_keep_failing_stop_the_run(small_fs: Path, tmp_path: Path, caplog) -> None:
+    """The checkpoint root's filesystem is full: each periodic save fails with a warning that
+    counts, and the third in a row stops the run (max_failed_saves=3) with the last error,
+    rather than training on with nothing saved; None trains on."""
+    import torch
+
+    with open(small_fs / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"x" * 65536)
+        except OSError:
+            pass
+    model = torch.nn.Linear(64, 64)
+
+    def config(most):
+        return ftkit.Config(save_every=2, max_failed_saves=most, watch=ftkit.WatchConfig(mode="off"),
+                            budget=ftkit.BudgetConfig(enabled=False), save_at_end=False,
+                            checkpoint=ftkit.CheckpointConfig(root=small_fs / "checkpoints"))
+
+    done = []
+    stops = r"3 saves in a row failed \(max_failed_saves=3\); stopping rather than train on with nothing saved since its start"
+    with (pytest.raises(ftkit.CheckpointError, match=stops),
+          ftkit.FaultTolerance(tmp_path / "a", state={"model": model}, config=config(3)) as ft):
+        for step in ft.range(20):
+            done.append(step)
+    assert done[-1] == 5, done  # saves at 2, 4 (warned) and 6 (the third: stops)
+    assert any("(2 of 3 in a row: then the run stops)" in r.getMessage() for r in caplog.records)
+    end = [e for e in read_events(tmp_path / "a" / "events.jsonl") if e["event"] == "exit"][-1]
+    assert "max_failed_saves=3" in end["error"] and end["completed"] is False
+    with ftkit.FaultTolerance(tmp_path / "b", state={"model": model}, config=config(None)) as ft:
+        assert list(ft.range(8)) == list(range(8))
+    with pytest.raises(ftkit.ConfigError, match="max_failed_saves"):
+        ftkit.Config(max_failed_saves=0)

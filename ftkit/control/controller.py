@@ -85,6 +85,12 @@ class Config:
     save_at_end: bool = True
     """Save a checkpoint when ``range()`` reaches the last step."""
 
+    max_failed_saves: int | None = 3
+    """Stop the run (a :class:`ftkit.CheckpointError`, exit non-zero) once this many periodic
+    or requested saves in a row have failed, each with a warning: a checkpoint dir that became
+    read-only, another user's or full stays so, and a run training on would lose every step
+    since its last checkpoint at the end. None: warn and train on, however many fail."""
+
     lease: LeaseConfig = field(default_factory=LeaseConfig)
     """One run per job dir: rank 0 holds ``JOBDIR/lease.lock``; a second run exits with code 86."""
 
@@ -92,6 +98,9 @@ class Config:
         if self.save_every is not None and self.save_every != "auto" and (
                 not isinstance(self.save_every, int) or isinstance(self.save_every, bool) or self.save_every < 1):
             raise ConfigError(f"save_every: must be a whole number of steps >= 1, 'auto' or None, got {self.save_every!r}")
+        if self.max_failed_saves is not None and (not isinstance(self.max_failed_saves, int)
+                                                  or isinstance(self.max_failed_saves, bool) or self.max_failed_saves < 1):
+            raise ConfigError(f"max_failed_saves: must be a whole number >= 1 or None, got {self.max_failed_saves!r}")
         from ..checkpoint.background.config import AsyncConfig
         from ..checkpoint.config import CheckpointConfig
 
@@ -167,6 +176,7 @@ class FaultTolerance:
         self._last_check: float | None = None
         self._last_save_end = float("-inf")  # monotonic time the last save became durable
         self._last_saved_step: int | None = None
+        self._failed_saves = 0  # saves in a row that failed (max_failed_saves)
         self._snapshot_stall: tuple[int, float] | None = None  # the last memory snapshot's step and stall
         self._handled_wall: dict[Source, float] = {}  # wall time of the last decision per file source
         self._seen_requests: set[str] = set()  # request files this run has logged (acted on or not)
@@ -597,7 +607,7 @@ class FaultTolerance:
                 self.events.emit("save-failed", step=step, reason=why, error=str(exc))
             if last:
                 raise
-            log.warning("checkpoint at step %d failed, training continues: %s", step, exc)
+            self._save_failed(f"checkpoint at step {step}", exc)
             return None
         stall = self._clock() - began
         exiting = last
@@ -660,7 +670,21 @@ class FaultTolerance:
         if error is not None:
             if not _event_written(error):
                 self.events.emit("save-failed", step=step, reason="background save", error=str(error))
-            log.warning("a background checkpoint failed, training continues: %s", error)
+            self._save_failed("a background checkpoint", error)
+
+    def _save_failed(self, what: str, error: BaseException) -> None:
+        """A save that failed while training goes on: a warning, until ``max_failed_saves`` in a
+        row have failed; then the run stops with the last one's error."""
+        self._failed_saves += 1
+        most = self.config.max_failed_saves
+        if most is None or self._failed_saves < most:
+            left = "" if most is None else f" ({self._failed_saves} of {most} in a row: then the run stops)"
+            log.warning("%s failed, training continues%s: %s", what, left, error)
+            return
+        since = ("its start" if self._last_saved_step is None else f"step {self._last_saved_step}")
+        raise CheckpointError(
+            f"{self._failed_saves} saves in a row failed (max_failed_saves={most}); stopping rather than train on "
+            f"with nothing saved since {since}. The last: {error}") from error
 
     def _consume_durable(self) -> None:
         durable = None if self._checkpoints is None else self._checkpoints.last_durable_step
@@ -691,6 +715,7 @@ class FaultTolerance:
         self._last_check = ended  # a save is not part of the next step's time
         self.watchdog.end_save(ended)
         self._last_saved_step = step
+        self._failed_saves = 0
         self.budget.record_save(seconds)
         if decision is None:
             return

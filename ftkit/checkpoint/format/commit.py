@@ -171,6 +171,9 @@ class Committer:
         self._in_progress: set[int] = set()
         self._failed: set[int] = set()
         self._looked = False
+        # keep_last applies before this run's first save and after a failed one, not only after a
+        # commit: a run given a lower keep_last for a full disk gets the room back it asks for
+        self._failing = True
         self._fork: int | None = None  # see fork()
         self._broken = False
 
@@ -262,7 +265,10 @@ class Committer:
         self.root.mkdir(parents=True, exist_ok=True)
         self.set_aside_fork()
         self.note_leftovers()
-        self.clean_leftovers()
+        if self._failing and self.rank == 0:
+            self._retain()  # (the newest valid checkpoint always stays)
+        else:
+            self.clean_leftovers()
         if os.path.lexists(path):
             info = validate_dir(path)
             if info.valid:
@@ -309,6 +315,7 @@ class Committer:
 
     def committed(self, info: CheckpointInfo, *, seconds: float, reason: str | None) -> None:
         """After a commit: log it, write the ``save`` event, apply retention (rank 0)."""
+        self._failing = False
         log.info("saved checkpoint step %d to %s (%d bytes, %d ranks, %.2fs)",
                  info.step, info.path, info.size, self.world_size, seconds)
         self._emit("save", step=info.step, path=str(info.path), bytes=info.size,
@@ -325,6 +332,7 @@ class Committer:
         event log), marks ``error`` with its step (``event_step``) so that whoever reports it
         further (the controller) does not write a second one."""
         self._failed.add(step)
+        self._failing = True
         fields = {} if reason is None else {"reason": reason}
         if self._emit("save-failed", step=step, path=str(self.path(step)), error=str(error), **fields):
             with contextlib.suppress(AttributeError):  # an exception type without a __dict__
