@@ -1,6 +1,7 @@
-"""The hang watchdog: real hung processes (a deadlocked step, a SIGSTOPped gloo rank), what
-they leave behind (stack file, ``hang`` event, exit code 87, an intact checkpoint), no firing
-on slow saves and slow first steps, and the allowance and culprit rules on a fake clock."""
+"""The hang watchdog: real hung processes (a deadlocked step, a SIGSTOPped gloo rank, a frozen
+job-dir filesystem), what they leave behind (stack file, ``hang`` event, exit code 87, an
+intact checkpoint), no firing on slow saves and slow first steps, and the allowance and
+culprit rules on a fake clock."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,7 @@ from tests.ckpt_helpers import env, free_port
 from tests.conftest import wait_for
 
 PROGRAM = Path(__file__).parent / "programs" / "hang_train.py"
+FREEZE_PROGRAM = Path(__file__).parent / "programs" / "freeze_train.py"
 TIMEOUT = 2.0  # FTKIT_HANG_TIMEOUT for the process tests
 SLACK = 10.0  # the watchdog polls every TIMEOUT/20 s; generous for a loaded machine
 
@@ -200,6 +204,94 @@ def test_close_stops_the_thread_and_removes_the_heartbeat(tmp_path: Path) -> Non
     # no_leaks fails this test if the thread outlives close()
 
 
+# -- a hung job-dir filesystem ---------------------------------------------------------------
+
+
+@pytest.fixture
+def freezable_fs(tmp_path: Path):
+    """A 16 MiB ext4 on a loop device, and a function that freezes it (``fsfreeze -f``): every
+    write to it then blocks in the kernel, uninterruptibly, until the thaw. Needs root.
+
+    The fixture thaws it whatever the test did: a frozen filesystem left behind blocks every
+    later writer. Should this process be killed before that, a detached process (not our
+    child: ``setsid -f``) thaws it after two minutes."""
+    if os.geteuid() != 0 or not all(shutil.which(c) for c in ("mkfs.ext4", "fsfreeze", "mount", "setsid")):
+        pytest.skip("needs root, mkfs.ext4, fsfreeze and setsid (freezes a loop-mounted ext4)")
+    image, mnt = tmp_path / "ext4.img", tmp_path / "mnt"
+    mnt.mkdir()
+    with image.open("wb") as f:
+        f.truncate(16 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True, capture_output=True, timeout=60)
+    mounted = subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], capture_output=True, text=True, timeout=60)
+    if mounted.returncode:
+        pytest.skip(f"cannot loop-mount an ext4 here: {mounted.stderr.strip()}")
+
+    def freeze() -> None:
+        subprocess.run(["setsid", "-f", "sh", "-c", 'sleep 120; fsfreeze -u "$0" 2>/dev/null', str(mnt)],
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+        subprocess.run(["fsfreeze", "-f", str(mnt)], check=True, timeout=60)
+
+    try:
+        yield mnt, freeze
+    finally:
+        thaw(mnt)
+        subprocess.run(["umount", "-l", str(mnt)], check=False, timeout=60)
+
+
+def thaw(mnt: Path) -> None:
+    subprocess.run(["fsfreeze", "-u", str(mnt)], check=False, capture_output=True, timeout=60)
+
+
+def progress(path: Path) -> int:
+    try:
+        return int(path.read_text() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+@pytest.mark.parametrize("heartbeat", [None, 1000.0], ids=["heartbeats-block-too", "no-heartbeat-due"])
+def test_a_frozen_job_dir_filesystem_is_found_logged_and_ended(freezable_fs, tmp_path: Path,
+                                                                heartbeat: float | None) -> None:
+    """A user trial: with the job dir's filesystem frozen, the save blocked in the kernel and
+    so did the watchdog's heartbeat write, before its check: it never fired. Now the save's
+    allowance runs out, the hang is logged with every stack (the stack file cannot be
+    written), and the process ends with 87 (once thawed: it sleeps uninterruptibly till then).
+    With heartbeats due only every 1000 s, only the dump blocks."""
+    mnt, freeze = freezable_fs
+    save_timeout, grace = 4.0, 3.0
+    done, log = tmp_path / "progress", tmp_path / "log.txt"
+    args = [sys.executable, str(FREEZE_PROGRAM), str(mnt / "job"), str(done), "--timeout", "2",
+            "--save-timeout", str(save_timeout), "--grace", str(grace), "--save-every", "5"]
+    with log.open("w") as out:  # on the unfrozen filesystem: the log must get through
+        proc = subprocess.Popen([*args, *(["--heartbeat", str(heartbeat)] if heartbeat else [])], env=env(),
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: progress(done) >= 8 or proc.poll() is not None, 120, what="a few steps and a save")
+        assert proc.poll() is None, log.read_text()
+        freeze()
+        frozen = time.monotonic()
+        # the next save (within 5 steps) blocks; its allowance runs out; the dump cannot be written
+        wait_for(lambda: "the stacks follow here instead" in log.read_text() or proc.poll() is not None,
+                 save_timeout + grace + SLACK, what="the hang logged with its stacks")
+        fired_after = time.monotonic() - frozen
+        text = log.read_text()
+    finally:
+        thaw(mnt)
+        try:
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == EXIT_HANG, text
+    assert "completed no step for" in text and "checkpoint save" in text and "exiting with code 87" in text, text
+    assert fired_after < save_timeout + grace + SLACK
+    stacks = text.split("the stacks follow here instead", 1)[1]
+    assert "completed no step for" in stacks and "freeze_train.py" in stacks and "in main" in stacks, text
+    if heartbeat is None:  # the blocked heartbeat is said, not waited on
+        assert "the job dir's filesystem has not answered for" in text and "heartbeats are skipped" in text, text
+
+
 # -- the allowance, on a fake clock ---------------------------------------------------------
 
 
@@ -311,6 +403,37 @@ def test_a_hung_save_fires_after_the_save_allowance(dog, tmp_path: Path) -> None
     wd.tick()
     assert exits == [EXIT_HANG]
     assert hang_events(tmp_path)[0]["phase"] == "checkpoint save"
+
+
+def test_blocked_job_dir_writes_neither_delay_the_check_nor_hold_the_exit(tmp_path: Path, monkeypatch,
+                                                                          caplog) -> None:
+    """The frozen-filesystem test above without a filesystem to freeze: the heartbeat and the
+    stack file writes never return. The check still fires on time, the blocked heartbeat is
+    logged (not waited on), and the stacks go to the log."""
+    clock, exits, release = Clock(), [], threading.Event()
+    monkeypatch.setattr("ftkit.control.watchdog.write_heartbeat", lambda path, beat: release.wait())
+    monkeypatch.setattr("ftkit.control.watchdog.write_stacks", lambda path, text: release.wait())
+    cfg = WatchdogConfig(timeout=10, warmup_steps=0, heartbeat=0.1, native=False)
+    wd = Watchdog(cfg, job_root=tmp_path, events=EventLog(tmp_path / "events.jsonl", clock=clock),
+                  clock=clock, wallclock=clock, exit=exits.append)
+    try:
+        wd.last = (5, clock.now)
+
+        def beat() -> bool:  # progress on the fake clock; the writer is blocked in real time
+            clock.now += 1
+            wd.progress()
+            wd.tick()
+            return "the job dir's filesystem has not answered for 1 s" in caplog.text
+
+        wait_for(beat, 10, interval=0.05, what="the blocked heartbeat logged")
+        assert exits == []
+        clock.now += 10.5
+        wd.tick()  # within the check: not waiting for the stack file either
+        assert exits == [EXIT_HANG]
+        assert "completed no step for 10 s" in caplog.text and "the stacks follow here instead" in caplog.text
+        assert "in test_blocked_job_dir_writes_neither_delay_the_check_nor_hold_the_exit" in caplog.text
+    finally:
+        release.set()
 
 
 def test_disarmed_after_the_loop(dog) -> None:

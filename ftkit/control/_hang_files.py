@@ -1,8 +1,9 @@
-"""What a hang leaves behind: the stack file, native frames, the peers' heartbeats.
+"""What a hang leaves behind: the heartbeats, the stack file, native frames, the peers' heartbeats.
 
-The file side of :mod:`ftkit.control.watchdog`, called from its thread once it has declared
-a hang; every function here may block on a hung filesystem, which the watchdog's ``grace``
-timer bounds.
+The file side of :mod:`ftkit.control.watchdog`. Every function here may block on a hung
+filesystem (``fsfreeze``, an NFS server that stopped answering), so the watchdog runs them on
+threads of their own (:class:`Offloaded`): its checks and its ``grace`` timer must never wait
+behind a job-dir write, or a hung job dir would keep a hung job alive.
 """
 
 from __future__ import annotations
@@ -10,26 +11,98 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
 from .hangs import Heartbeat, suspicion
 
-__all__ = ["append_native", "claim_first", "iso", "read_peers", "write_stacks"]
+__all__ = ["Offloaded", "append_native", "capture_stacks", "claim_first", "iso", "read_peers",
+           "write_heartbeat", "write_stacks"]
+
+log = logging.getLogger(__name__)
 
 
-def write_stacks(path: Path, header: str) -> Path:
-    """``header``, then every thread's Python stack (``faulthandler``), durable; returns ``path``."""
+class Offloaded:
+    """Job-dir writes on a thread of their own, one at a time, so that a write blocked on a
+    hung filesystem blocks only that thread (a process blocked in the kernel on a frozen
+    filesystem cannot even be interrupted). A write offered while the previous one still runs
+    is refused: the caller skips it (the next heartbeat supersedes it) or says so."""
+
+    __slots__ = ("_began", "_clock", "_name", "_thread")
+
+    def __init__(self, name: str, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._name = name
+        self._clock = clock
+        self._thread: threading.Thread | None = None
+        self._began = 0.0
+
+    def busy_for(self) -> float | None:
+        """Seconds the write in progress has taken so far; None when none is in progress."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return None
+        return self._clock() - self._began
+
+    def offer(self, write: Callable[[], None]) -> bool:
+        """Start ``write`` on a new thread unless the previous write still runs (then False)."""
+        if self.busy_for() is not None:
+            return False
+        self._began = self._clock()
+        self._thread = threading.Thread(target=self._run, args=(write,), name=self._name, daemon=True)
+        self._thread.start()
+        return True
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the write in progress; whether none runs now."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        return self.busy_for() is None
+
+    @staticmethod
+    def _run(write: Callable[[], None]) -> None:
+        try:
+            write()
+        except Exception:  # the watchdog must never take training down by itself
+            log.exception("hang watchdog: a write to the job dir failed (it keeps running)")
+
+
+def write_heartbeat(path: Path, beat: Heartbeat) -> None:
+    """Replace ``path`` with ``beat`` (atomically: a reader never sees half a heartbeat)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(beat.to_json()))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("hang watchdog: could not write heartbeat %s: %s", path, exc)
+
+
+def capture_stacks() -> str:
+    """Every thread's Python stack (``faulthandler``) as text. It goes through an in-memory
+    file: faulthandler writes with the GIL held, so writing it straight into a file on a hung
+    filesystem would stop every Python thread, the watchdog's ``grace`` timer too."""
+    memfd = getattr(os, "memfd_create", None)
+    with (open(memfd("ftkit-stacks"), "w+b") if memfd is not None else tempfile.TemporaryFile()) as f:
+        faulthandler.dump_traceback(file=f, all_threads=True)
+        f.seek(0)
+        return f.read().decode(errors="replace")
+
+
+def write_stacks(path: Path, text: str) -> Path:
+    """``text`` (the summary and the stacks), durable; returns ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
-        f.write(header)
-        f.flush()
-        faulthandler.dump_traceback(file=f, all_threads=True)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     return path

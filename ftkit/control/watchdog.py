@@ -13,8 +13,14 @@ Why a Python thread and not ``faulthandler.dump_traceback_later``: the allowance
 saves, the slowest recent step), and re-arming the C timer from the hot path would start a
 thread per step; the C timer also exits with code 1, writes no event and is one per process.
 The price: a hang that holds the GIL stops this thread too (most blocking calls in torch,
-gloo, NCCL and I/O release it). When the dump itself blocks (a hung filesystem), a second
-timer ends the process after ``grace`` seconds anyway.
+gloo, NCCL and I/O release it).
+
+The job dir's filesystem may be the hang itself (``fsfreeze``, an NFS server gone): the main
+thread blocks in a save, and so would any job-dir write of the watchdog's thread, before its
+check (a user trial: it never fired). So that thread never writes to the job dir: heartbeats
+and the dump run on threads of their own, a heartbeat is skipped while the previous one is
+still blocked, and before the dump starts the hang is logged and a second timer is armed that
+ends the process after ``grace`` seconds. Stacks that cannot be written in time go to the log.
 
 Each rank's watchdog also publishes a small heartbeat file, ``JOBDIR/heartbeats/rank{R}.json``,
 from its thread (never from the hot path): last step, its wall time and, while the step is
@@ -28,7 +34,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import logging
 import math
 import os
@@ -45,7 +50,16 @@ from typing import Any
 
 from ..errors import EXIT_HANG, ConfigError
 from ..events import EventLog
-from ._hang_files import append_native, claim_first, iso, read_peers, write_stacks
+from ._hang_files import (
+    Offloaded,
+    append_native,
+    capture_stacks,
+    claim_first,
+    iso,
+    read_peers,
+    write_heartbeat,
+    write_stacks,
+)
 from .hangs import Heartbeat, frame_facts
 
 __all__ = ["DEFAULT_TIMEOUT", "Watchdog", "WatchdogConfig"]
@@ -188,6 +202,7 @@ class Watchdog:
 
     __slots__ = (
         "_beat_every",
+        "_beats",
         "_clock",
         "_epoch",
         "_events",
@@ -204,6 +219,7 @@ class Watchdog:
         "_rank",
         "_ref",
         "_saves",
+        "_silent",
         "_steps",
         "_stop",
         "_thread",
@@ -257,6 +273,8 @@ class Watchdog:
         self._poll = min(1.0, max(timeout / 20, 0.02))
         self._beat_every = self.config.heartbeat or min(10.0, timeout / 8)
         self._next_beat = -math.inf
+        self._beats = Offloaded(f"ftkit-heartbeat-rank{rank}")
+        self._silent = max(self._beat_every, 1.0)  # a heartbeat blocked this long is logged
         self.fired = False
 
     @property
@@ -278,7 +296,10 @@ class Watchdog:
         if self._rank == 0:  # a new run: the next hang is declared afresh
             with contextlib.suppress(OSError):
                 (self._job / HANGS / DECLARED).unlink()
-        self._write_heartbeat(self._clock())
+        # here, not on the writer thread: a heartbeat exists once start() returns (start-up
+        # writes to the job dir anyway, and is not watched)
+        self._next_beat = self._clock() + self._beat_every
+        write_heartbeat(self.heartbeat_path, self._facts(self._clock(), self.last, stalled=False))
         self._thread = threading.Thread(target=self._run, name=f"ftkit-watchdog-rank{self._rank}", daemon=True)
         self._thread.start()
         log.info("hang watchdog: on, floor %.0f s, %g x the slowest recent step (%s)", self.timeout,
@@ -293,9 +314,14 @@ class Watchdog:
         if thread is None:
             return
         self._stop.set()
+        deadline = time.monotonic() + 10 + 2 * self._poll
         thread.join(timeout=10 + 2 * self._poll)
-        if thread.is_alive():  # blocked writing a heartbeat to a hung filesystem: a daemon, let it be
+        if thread.is_alive():  # declaring a hang right now: it ends the process
             log.warning("hang watchdog: its thread did not stop within 10 s (job dir %s not answering?)", self._job)
+        if not self._beats.join(max(deadline - time.monotonic(), 0.0)):  # a daemon: let it be
+            log.warning("hang watchdog: heartbeat %s not written for %.0f s (the job dir's filesystem does not "
+                        "answer); left behind", self.heartbeat_path, self._beats.busy_for() or 0.0)
+            return
         with contextlib.suppress(OSError):
             self.heartbeat_path.unlink()
 
@@ -370,7 +396,7 @@ class Watchdog:
         self._sample(last)
         overdue = self.overdue(now, last, phases[0] if phases else None)
         if now >= self._next_beat:
-            self._write_heartbeat(now, stalled=overdue is not None and overdue[0] > self._beat_every)
+            self._beat(now, stalled=overdue is not None and overdue[0] > self._beat_every)
         if overdue is not None and overdue[0] > overdue[1]:
             self._fire(now, last, phases[0] if phases else None, *overdue)
 
@@ -421,28 +447,39 @@ class Watchdog:
             phase=self._phases[-1].what if self._phases else None,
         )
 
-    def _write_heartbeat(self, now: float, *, stalled: bool = False) -> None:
+    def _beat(self, now: float, *, stalled: bool) -> None:
+        """Hand the heartbeat to its writer thread; skip it while the previous one is blocked."""
         self._next_beat = now + self._beat_every
-        path = self.heartbeat_path
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(self._facts(now, self.last, stalled).to_json()))
-            os.replace(tmp, path)
-        except OSError as exc:
-            log.warning("hang watchdog: could not write heartbeat %s: %s", path, exc)
+        path, beat = self.heartbeat_path, self._facts(now, self.last, stalled)
+        if self._beats.offer(lambda: write_heartbeat(path, beat)):
+            if self._silent > max(self._beat_every, 1.0):
+                log.warning("hang watchdog: the job dir's filesystem answers again (a blocked write of "
+                            "heartbeat %s ended)", path)
+                self._silent = max(self._beat_every, 1.0)
+            return
+        blocked = self._beats.busy_for() or 0.0
+        if blocked >= self._silent:  # then at twice the time, and so on: a line, not a flood
+            log.warning("hang watchdog: the job dir's filesystem has not answered for %.0f s (heartbeat %s still "
+                        "being written); heartbeats are skipped until it does", blocked, path)
+            self._silent = 2 * blocked
 
     # -- firing ---------------------------------------------------------------------------
 
     def _fire(self, now: float, last: tuple[int, float] | None, phase: _Phase | None,
               waited: float, allowance: float, why: str) -> None:
-        """Dump every stack, write the ``hang`` event, end the process with EXIT_HANG."""
+        """Log the hang, dump every stack, write the ``hang`` event, end the process with EXIT_HANG.
+
+        The backstop is armed and the hang logged before anything touches the job dir, and the
+        dump is written on a thread of its own: a hung job dir (maybe the very hang) must not
+        keep this thread from ending the process. (A thread blocked in the kernel on a frozen
+        filesystem keeps the process alive after ``os._exit`` until the thaw; then it ends.)"""
         self.fired = True
         backstop = threading.Timer(self.config.grace, self._exit, args=(EXIT_HANG,))
         backstop.daemon = True
         backstop.start()
         try:
             me = self._facts(now, last, stalled=True)
+            stacks = capture_stacks()
             stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self._wall()))
             path = self._job / HANGS / f"hang-rank{self._rank}-{self._host}-{stamp}-{os.getpid()}.txt"
             spy = shutil.which("py-spy") if self.config.native else None
@@ -450,23 +487,26 @@ class Watchdog:
                       f"completed no step for {waited:.1f} s (allowed {allowance:.1f} s: {why})\n"
                       f"last completed step: {me.step} at {iso(me.last_step_wall)}\n"
                       f"main thread: {me.frame}\n\n")
-            with open(write_stacks(path, header), "a") as f:
-                # the event before the slow part (py-spy): the launcher may kill this process
-                # as soon as another rank exits
-                peers = None
-                if claim_first(self._job / HANGS / DECLARED, self._rank):
-                    peers = read_peers(self._job / HEARTBEATS, rank=self._rank, world_size=self._world,
-                                       job=self._job_id, now=self._wall())
-                self._events.emit("hang", step=me.step, seconds=round(waited, 3), file=str(path),
-                                  last_step_wall=me.last_step_wall, threshold=round(allowance, 3), why=why,
-                                  phase=None if phase is None else phase.what, frame=me.frame,
-                                  waiting=me.waiting, native=spy is not None, world_size=self._world,
-                                  peers=None if peers is None else [p.to_json() for p in peers[:PEERS_KEPT]],
-                                  peers_not_running=None if peers is None else sum(not p.running for p in peers))
-                log.critical("hang watchdog: rank %d completed no step for %.0f s (allowed %.0f s: %s); "
-                             "last step %s; stacks in %s; exiting with code %d", self._rank, waited,
-                             allowance, why, me.step, path, EXIT_HANG)
-                if spy is not None:
+            log.critical("hang watchdog: rank %d completed no step for %.0f s (allowed %.0f s: %s); "
+                         "last step %s; stacks in %s; exiting with code %d", self._rank, waited,
+                         allowance, why, me.step, path, EXIT_HANG)
+            hung = self._beats.busy_for()
+            hung = hung if hung is not None and hung >= max(self._beat_every, 1.0) else None
+            written = threading.Event()
+            dump = Offloaded(f"ftkit-hang-dump-rank{self._rank}")
+            dump.offer(lambda: self._record(path, header + stacks, me, phase, waited, allowance, why,
+                                            native=spy is not None, written=written))
+            # the event before the slow part (py-spy): the launcher may kill this process as
+            # soon as another rank exits
+            done = dump.join(0.0 if hung is not None else self.config.grace / 2)
+            if not written.is_set():
+                silent = hung if hung is not None else self.config.grace / 2
+                log.critical("hang watchdog: %s; the stacks follow here instead\n%s%s",
+                             f"could not write {path}" if done else
+                             f"the job dir's filesystem has not answered for {silent:.0f} s ({path} not written)",
+                             header, stacks)
+            elif done and spy is not None:
+                with open(path, "a") as f:
                     append_native(f, spy, limit=max(self.config.grace / 2, 1.0))
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):  # a closed or broken stream must not stop the exit
@@ -474,3 +514,23 @@ class Watchdog:
         finally:
             self._exit(EXIT_HANG)
             backstop.cancel()  # reached only when ``exit`` returns (a test's recorder)
+
+    def _record(self, path: Path, text: str, me: Heartbeat, phase: _Phase | None, waited: float,
+                allowance: float, why: str, *, native: bool, written: threading.Event) -> None:
+        """The stack file, then the ``hang`` event (on the dump's thread: both may block)."""
+        try:
+            write_stacks(path, text)
+            written.set()
+        except OSError as exc:
+            log.error("hang watchdog: could not write the stack file %s: %s", path, exc)
+        peers = None
+        if claim_first(self._job / HANGS / DECLARED, self._rank):
+            peers = read_peers(self._job / HEARTBEATS, rank=self._rank, world_size=self._world,
+                               job=self._job_id, now=self._wall())
+        self._events.emit("hang", step=me.step, seconds=round(waited, 3),
+                          file=str(path) if written.is_set() else None, last_step_wall=me.last_step_wall,
+                          threshold=round(allowance, 3), why=why,
+                          phase=None if phase is None else phase.what, frame=me.frame,
+                          waiting=me.waiting, native=native, world_size=self._world,
+                          peers=None if peers is None else [p.to_json() for p in peers[:PEERS_KEPT]],
+                          peers_not_running=None if peers is None else sum(not p.running for p in peers))
