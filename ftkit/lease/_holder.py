@@ -278,6 +278,21 @@ class Lease:
 
     def _busy_message(self, held: LeaseRecord | None, verdict: Verdict) -> str:
         who = held.holder if held is not None else "another process"
+        me = self.record
+        if (held is not None and held.job_id is not None and (held.host, held.pid) != (me.host, me.pid)
+                and (held.job_id, held.restart_count, held.attempt) == (me.job_id, me.restart_count, me.attempt)):
+            # the same run of the same job: another task of it, not "another run"
+            cause = ("Both see world size 1: the job runs several tasks, but torch.distributed was not "
+                     "initialised when ftkit started, so each task took itself for the only one. Initialise "
+                     "the process group before FaultTolerance is built (under submitit, "
+                     "FtkitCheckpointable(distributed='auto') does it, and fn must not initialise it again), "
+                     "or give each task its own job dir if the tasks are separate runs" if me.world_size == 1 and held.world_size == 1 else
+                     "Two process groups of one job (two job steps?) must not share a job dir: give each its "
+                     "own, or run all tasks in one process group")
+            return (
+                f"job dir {self.job.root} is in use by another task of this same run: {who} holds its lease "
+                f"({self.job.lease}); {verdict.reason}. {cause}. This task exits with code {EXIT_JOBDIR_BUSY} and "
+                f"changed nothing in the job dir.")
         return (
             f"job dir {self.job.root} is in use by another run: {who} holds its lease ({self.job.lease}); "
             f"{verdict.reason}. This run exits with code {EXIT_JOBDIR_BUSY} and changed nothing in the job dir "
