@@ -272,7 +272,7 @@ def load_sharded(
         try:
             with warnings.catch_warnings():  # no_dist is what we mean, not a fallback to warn about
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-                dcp.load(target, storage_reader=reader, no_dist=True)
+                _load_no_dist(dcp, target, reader)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             if agree is None or isinstance(failure_of(exc), (KeyboardInterrupt, SystemExit)):
                 raise
@@ -280,6 +280,20 @@ def load_sharded(
     if agree is not None:
         agree(failed)
     _set(state, keys, target, options)
+
+
+def _load_no_dist(dcp: Any, target: dict[str, Any], reader: Any) -> None:
+    """``dcp.load(..., no_dist=True)``: each rank loads on its own. ``load`` takes ``no_dist``
+    from torch 2.7 on; before, only its private ``_load_state_dict`` does (the same load:
+    ``load`` calls it after the same preparation of ``target``, which ftkit's does already)."""
+    import inspect
+
+    if "no_dist" in inspect.signature(dcp.load).parameters:
+        dcp.load(target, storage_reader=reader, no_dist=True)
+        return
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    _load_state_dict(target, storage_reader=reader, no_dist=True)
 
 
 def failure_of(exc: BaseException) -> BaseException:

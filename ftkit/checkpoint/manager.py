@@ -130,8 +130,11 @@ def _reshard(state: Mapping[str, Any]) -> None:
 
     try:
         from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2
-        return
+    except ImportError:
+        try:  # torch 2.4 and 2.5 keep it here
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:  # a torch without FSDP2
+            return
     for value in state.values():
         if isinstance(value, torch.nn.Module):
             for module in value.modules():

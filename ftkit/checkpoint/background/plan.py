@@ -27,9 +27,9 @@ __all__ = ["Resolver", "merge_metadata", "plan_sharded"]
 # ---------------------------------------------------------------------- main thread: local DCP plan
 def _writes_item(obj: Any, rank: int) -> bool:
     """Whether this rank writes ``obj``'s item: one writer per item, decided without a gather."""
-    from torch.distributed.tensor import DTensor
+    from ..state.snapshot import is_dtensor
 
-    if isinstance(obj, DTensor):
+    if is_dtensor(obj):  # (by name: torch.distributed.tensor is public from torch 2.5 on)
         coord = obj.device_mesh.get_coordinate()
         return coord is not None and all(
             c == 0 for c, p in zip(coord, obj.placements, strict=True) if p.is_replicate()
