@@ -146,3 +146,32 @@ def test_an_error_of_the_system_is_unreadable_not_corrupt(tmp_path: Path, monkey
     assert not [p for p in root.iterdir() if p.name.startswith("set-aside")]
     state = small_state()
     assert make_mgr(root).load(state) == 2 and state["extra"]["value"] == 2
+
+
+def test_a_switch_on_a_full_or_read_only_filesystem_names_that_cause(tmp_path: Path) -> None:
+    """``ftkit save`` where the job dir's filesystem is full (no inode left), then read-only:
+    the error names that, not a permission problem or "remove whatever is there"."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=8", "tmpfs", str(mnt)], check=True)
+    try:
+        job = mnt / "job"
+        job.mkdir()
+        (job / "events.jsonl").write_text("")
+        repo = Path(__file__).resolve().parent.parent
+        env = {**os.environ, "PYTHONPATH": str(repo)}
+        try:
+            for n in range(16):  # the last inodes
+                (mnt / f"f{n}").touch()
+        except OSError:
+            pass
+        full = subprocess.run([sys.executable, "-m", "ftkit", "save", str(job)], capture_output=True, text=True,
+                              timeout=60, env=env)
+        assert full.returncode != 0 and "is full (no space or no inodes left)" in full.stderr, full.stderr
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        ro = subprocess.run([sys.executable, "-m", "ftkit", "save", str(job)], capture_output=True, text=True,
+                            timeout=60, env=env)
+        assert ro.returncode != 0 and "read-only filesystem here" in ro.stderr, ro.stderr
+        assert "may not write" not in ro.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -91,9 +91,15 @@ def touch_switch(job_dir: JobDir | str | os.PathLike[str], which: str) -> Path:
             return path
         fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError as exc:
-        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        if exc.errno in (errno.EACCES, errno.EPERM):
             fix = (f"this user may not write in {jd.root}: run the command as the job's owner (or a user "
                    "with write access to the job dir)")
+        elif exc.errno == errno.EROFS:
+            fix = (f"{jd.root} is on a read-only filesystem here: run the command where the job dir is mounted "
+                   "writable (the job cannot write its checkpoints there either)")
+        elif exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = (f"the filesystem of {jd.root} is full (no space or no inodes left): free some; the job's "
+                   "saves fail too (`ftkit ls` lists its checkpoints and their sizes)")
         else:
             fix = "remove whatever is there so a regular file can be created"
         raise ConfigError(f"{path}: cannot touch the {which} switch ({exc.strerror}); {fix}") from exc
