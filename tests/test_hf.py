@@ -306,6 +306,9 @@ def test_the_cli_finds_trainers_checkpoints_before_a_runs_first_save_and_in_a_co
     from ftkit.slurm.requeue_facts import gather
 
     assert gather(out, exit_code=1, env=SlurmEnv.from_env({})).end_step == 4
+    pin = subprocess.run([sys.executable, "-m", "ftkit", "pin", str(out), "4"], env=_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert pin.returncode == 2 and "which ftkit does not pin" in pin.stderr, pin.stdout + pin.stderr
 
     import shutil
 

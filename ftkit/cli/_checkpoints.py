@@ -212,6 +212,10 @@ def _pin(args: argparse.Namespace, pin: bool) -> int:
     from ..events import EventLog
 
     root, job = _root(args.jobdir, command="pin" if pin else "unpin")
+    if root.hf:
+        raise ConfigError(f"ftkit {'pin' if pin else 'unpin'}: {root} holds Hugging Face Trainer's checkpoint-N "
+                          "directories, which ftkit does not pin: its retention (FTKIT_KEEP_LAST) keeps Trainer's "
+                          "best model's; to keep another, copy it out of the output dir")
     console = Console()
     if not pin and not (root.path / step_name(args.step) / PIN).exists():
         path = unpin_checkpoint(root.path, args.step)  # a missing step is still an error, as for pin
