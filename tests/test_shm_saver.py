@@ -2,7 +2,8 @@
 
 ``python3 tests/test_shm_saver.py MODE ROOT MB`` is the trainer: it snapshots a state of about
 MB megabytes (tensors filled with the step number), prints one JSON line and waits to be killed.
-MODE ``save``: ``save(3)`` returned (the saver is still writing it); ``memory``: only memory
+MODE ``save``: ``save(3)`` returned (the saver is still writing it); ``failed``: the saver's
+persist of ``save(3)`` failed (a full disk); ``memory``: only memory
 snapshots (steps 1..3), never asked to persist; ``midcopy``: a complete snapshot of step 1, then
 the trainer SIGKILLs itself half-way through copying step 2 (into the second slot's first
 segment, after the walk); ``midwalk``: complete snapshots of steps 1 and 2, then the trainer
@@ -122,6 +123,37 @@ def test_kill9_mid_copy_persists_the_previous_complete_snapshot(tmp_path, mode, 
     assert info["step"] == complete
     assert [p.name for p in (tmp_path / "ck").glob("step-*")] == [f"step-{complete:08d}"]
     _check_restored(tmp_path / "ck", complete, 64)  # never the half-copied next step
+
+
+def test_a_snapshot_whose_persist_failed_is_persisted_when_the_trainer_dies(tmp_path):
+    """The saver's write of step 3 fails (the checkpoint root's 8 MiB tmpfs is full); space is
+    freed, then the trainer is killed: the saver's rescue writes step 3 from shared memory (it
+    said the snapshot "is being persisted already" and wrote nothing)."""
+    mnt = tmp_path / "ck"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=True)
+    try:
+        with open(mnt / "filler", "wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"x" * 65536)
+        from tests.ckpt_helpers import env
+
+        proc = subprocess.Popen([sys.executable, __file__, "failed", str(mnt), "1"], env=env(), cwd=REPO,
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            info = json.loads(proc.stdout.readline())
+            (mnt / "filler").unlink()
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+        _wait_gone(info["saver"])
+        _check_restored(mnt, 3, 1)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_clean_close_stops_the_saver_and_unlinks(tmp_path):
@@ -296,6 +328,14 @@ def trainer(mode: str, root: str, mb: int) -> None:
     if mode == "save":
         at(3)
         mgr.save(3, state)
+        report(3)
+    elif mode == "failed":  # the saver's persist of step 3 fails (the root's filesystem is full)
+        from ftkit.errors import CheckpointError
+
+        at(3)
+        mgr.save(3, state)
+        with contextlib.suppress(CheckpointError):
+            mgr.wait()
         report(3)
     elif mode == "memory":
         for step in (1, 2, 3):

@@ -197,6 +197,7 @@ class Saver:
                 info = self.persist(rank, path, seq, step, pin=pin, reason=reason, writer_alive=ch.alive)
             except BaseException as exc:
                 log.warning("saver: persisting rank %d's step %s failed: %s", rank, step, exc)
+                ch.submitted.discard(step)  # not in progress: a rescue after the trainer dies tries it again
                 ch.send(op="done", seq=seq, step=step, ok=False, error=str(exc), error_type=type(exc).__name__)
                 continue
             ch.send(op="done", seq=seq, step=step, ok=True, size=info.size, path=str(info.path),
