@@ -100,6 +100,7 @@ def test_sigterm_then_resume_in_a_new_process_matches_uninterrupted(tmp_path):
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     events = list(read_events(out / "events.jsonl"))
     assert [e.get("path") for e in events if e["event"] == "resume"][-1] == str(out / "checkpoint-5")
+    assert f"ftkit resume: step 5 from {out / 'checkpoint-5'}" in resumed.stderr, resumed.stderr
     assert events[-1]["event"] == "exit" and events[-1]["completed"] is True
 
     got = torch.load(out / "final.pt")

@@ -323,12 +323,19 @@ def _run(
             log.warning("ftkit: kill-switch present, not training")
             return Run(None, False, None, None, stopped=True)
         resumed = _resume_path(ft, trainer.args.output_dir, resume, checksums)
+        # where this run goes on from, in the job's log (as ftkit's own resume says it): rank 0
+        # as a warning, which a default logging set-up shows
+        level = logging.WARNING if ft.rank == 0 else logging.INFO
         if resumed is not None:
             step = parse_hf_step(Path(resumed).name)
             ft.events.emit("resume", step=step, path=resumed, kind="hf")
             ft._last_saved_step = step  # shown in the exit event if nothing newer is saved
+            log.log(level, "ftkit resume: step %s from %s", step, resumed, extra={"ftkit_notice": True})
         else:
             ft.events.emit("resume", step=None)
+            log.log(level, "ftkit resume: %s", "resume=False: starting fresh" if resume is False else
+                    f"no valid checkpoint in {Path(trainer.args.output_dir).absolute()}: starting fresh",
+                    extra={"ftkit_notice": True})
         callback.attach(trainer)
         try:
             output = call(resumed)
