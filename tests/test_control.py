@@ -369,3 +369,36 @@ def test_saves_that_keep_failing_stop_the_run(small_fs: Path, tmp_path: Path, ca
         assert list(ft.range(8)) == list(range(8))
     with pytest.raises(ftkit.ConfigError, match="max_failed_saves"):
         ftkit.Config(max_failed_saves=0)
+
+
+def test_a_save_switch_whose_save_failed_is_tried_again(small_fs: Path, tmp_path: Path) -> None:
+    """The save a save-switch asks for fails (the checkpoint root is full); space comes back:
+    the switch, still there, is answered by the next try, pinned, and removed (it stayed,
+    shown as pending, with no save coming)."""
+    import torch
+
+    filler = small_fs / "filler"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"x" * 65536)
+        except OSError:
+            pass
+    model = torch.nn.Linear(64, 64)
+    cfg = ftkit.Config(watch=ftkit.WatchConfig(mode="polling", poll_interval=0.02), save_at_end=False,
+                       budget=ftkit.BudgetConfig(enabled=False),
+                       checkpoint=ftkit.CheckpointConfig(root=small_fs / "checkpoints"))
+    job = tmp_path / "job"
+    with ftkit.FaultTolerance(job, state={"model": model}, config=cfg) as ft:
+        for step in ft.range(20):
+            if step == 3:
+                job.joinpath("save-switch").touch()
+                wait_for(lambda: ft.box.pending, timeout=10, what="the save-switch to be seen")
+            if filler.exists() and any(e["event"] == "save-failed" for e in read_events(job / "events.jsonl")):
+                filler.unlink()  # the space comes back after the first try failed
+    events = list(read_events(job / "events.jsonl"))
+    failed = [e["step"] for e in events if e["event"] == "save-failed"]
+    saved = [e["step"] for e in events if e["event"] == "save"]
+    assert len(failed) == 1 and saved == [failed[0] + 1], (failed, saved)
+    assert (small_fs / "checkpoints" / f"step-{saved[0]:08d}" / "pinned").exists()
+    assert not job.joinpath("save-switch").exists()

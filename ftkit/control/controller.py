@@ -608,6 +608,14 @@ class FaultTolerance:
             if last:
                 raise
             self._save_failed(f"checkpoint at step {step}", exc)
+            if decision is not None and Source.SAVE_SWITCH in decision.sources and self.job.save_switch.exists():
+                # the switch stays until a save answers it: ask again (it would sit there, shown as
+                # pending, with no save coming; max_failed_saves ends the tries)
+                self._handled_wall.pop(Source.SAVE_SWITCH, None)
+                self.box.post(Request(Action.SAVE, Source.SAVE_SWITCH, pin=decision.pin,
+                                      origin=str(self.job.save_switch),
+                                      reason=f"save-switch still present ({self.job.save_switch}): the save it "
+                                             "asked for failed, tried again"))
             return None
         stall = self._clock() - began
         exiting = last
