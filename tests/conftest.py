@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -63,6 +64,14 @@ def small_fs(tmp_path):
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill_up(path: Path) -> Path:
+    """Write ``path`` until its filesystem is full (not a block left); returns it."""
+    with open(path, "wb") as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"x" * 65536)
+    return path
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):

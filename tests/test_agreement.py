@@ -25,13 +25,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_ranks(jobdir: Path, *extra: str, world: int = 2) -> list[subprocess.Popen]:
+def start_ranks(jobdir: Path, *extra: str, world: int = 2, steps: str = "100000",
+                step_seconds: str = "0.005") -> list[subprocess.Popen]:
     port = str(free_port())
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": port, "PYTHONUNBUFFERED": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(PROGRAM), str(jobdir), "100000", "0.005", *extra],
+        procs.append(subprocess.Popen([sys.executable, str(PROGRAM), str(jobdir), steps, step_seconds, *extra],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     wait_for(lambda: all((jobdir / f"ready-rank{r}").exists() for r in range(world))
              or any(p.poll() is not None for p in procs), 90, what="ranks ready")
@@ -70,17 +71,8 @@ def test_slow_steps_agree_within_max_seconds_not_every_steps(tmp_path: Path, max
     5 steps or fewer (a trigger waits ~2.5 s, not ~5 s: SLURM's SIGKILL comes 30 s after its SIGTERM),
     at multiples of the agreed count on both ranks; with None, every 10 steps as before. A
     save-switch decides at step A; a signal sent to rank 1 right then decides at A + the count."""
-    port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": port, "PYTHONUNBUFFERED": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(PROGRAM), str(tmp_path), "100", "0.5", "--every", "10",
-                                       "--max-seconds", max_seconds], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    procs = start_ranks(tmp_path, "--every", "10", "--max-seconds", max_seconds, steps="100", step_seconds="0.5")
     try:
-        wait_for(lambda: all((tmp_path / f"ready-rank{r}").exists() for r in range(2))
-                 or any(p.poll() is not None for p in procs), 90, what="ranks ready")
         time.sleep(1.5)  # past the first checks (the first agreement, and the next step's, which measures it)
         (tmp_path / "save-switch").touch()  # seen by both; acted on at the next agreement
         wait_for(lambda: (tmp_path / "decisions-rank0.jsonl").exists() or any(p.poll() is not None for p in procs),

@@ -14,7 +14,7 @@ import pytest
 import ftkit
 from ftkit.decision import Action, Source
 from ftkit.events import read_events
-from tests.conftest import wait_for
+from tests.conftest import fill_up, wait_for
 from tests.test_signals import decisions, start_loop
 
 
@@ -316,12 +316,7 @@ def test_a_read_only_or_full_job_dir_is_refused_naming_the_file_and_the_fix(smal
 
     cfg = ftkit.Config(watch=ftkit.WatchConfig(mode="off"), budget=ftkit.BudgetConfig(enabled=False))
     (small_fs / "job").mkdir()
-    with open(small_fs / "filler", "wb") as f:  # full: not a block left
-        try:
-            while True:
-                f.write(b"x" * 65536)
-        except OSError:
-            pass
+    fill_up(small_fs / "filler")
     with pytest.raises(ftkit.ConfigError, match=r"cannot use job dir .*job: No space left on device on .*lease.*"
                                                 r"the filesystem is full"):
         ftkit.FaultTolerance(small_fs / "job", config=cfg).start()
@@ -342,12 +337,7 @@ def test_saves_that_keep_failing_stop_the_run(small_fs: Path, tmp_path: Path, ca
     rather than training on with nothing saved; None trains on."""
     import torch
 
-    with open(small_fs / "filler", "wb") as f:
-        try:
-            while True:
-                f.write(b"x" * 65536)
-        except OSError:
-            pass
+    fill_up(small_fs / "filler")
     model = torch.nn.Linear(64, 64)
 
     def config(most):
@@ -377,13 +367,7 @@ def test_a_save_switch_whose_save_failed_is_tried_again(small_fs: Path, tmp_path
     shown as pending, with no save coming)."""
     import torch
 
-    filler = small_fs / "filler"
-    with open(filler, "wb") as f:
-        try:
-            while True:
-                f.write(b"x" * 65536)
-        except OSError:
-            pass
+    filler = fill_up(small_fs / "filler")
     model = torch.nn.Linear(64, 64)
     cfg = ftkit.Config(watch=ftkit.WatchConfig(mode="polling", poll_interval=0.02), save_at_end=False,
                        budget=ftkit.BudgetConfig(enabled=False),

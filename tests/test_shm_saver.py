@@ -133,10 +133,10 @@ def test_a_snapshot_whose_persist_failed_is_persisted_when_the_trainer_dies(tmp_
     mnt.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=True)
     try:
-        with open(mnt / "filler", "wb") as f, contextlib.suppress(OSError):
-            while True:
-                f.write(b"x" * 65536)
         from tests.ckpt_helpers import env
+        from tests.conftest import fill_up
+
+        fill_up(mnt / "filler")
 
         proc = subprocess.Popen([sys.executable, __file__, "failed", str(mnt), "1"], env=env(), cwd=REPO,
                                 stdout=subprocess.PIPE, text=True)
