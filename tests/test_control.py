@@ -354,7 +354,17 @@ def test_saves_that_keep_failing_stop_the_run(small_fs: Path, tmp_path: Path, ca
     assert done[-1] == 5, done  # saves at 2, 4 (warned) and 6 (the third: stops)
     assert any("(2 of 3 in a row: then the run stops)" in r.getMessage() for r in caplog.records)
     end = [e for e in read_events(tmp_path / "a" / "events.jsonl") if e["event"] == "exit"][-1]
-    assert "max_failed_saves=3" in end["error"] and end["completed"] is False
+    assert "max_failed_saves=3" in end["error"] and end["completed"] is False and end["saves_failed"] == 3
+    # the requeue helper does not send back a run whose saves would fail the same way
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FTKIT_", "SLURM_"))}
+    said = subprocess.run([sys.executable, "-m", "ftkit", "requeue", "--dry-run", str(tmp_path / "a"),
+                           "--exit-code", "1"], capture_output=True, text=True, timeout=60, env=env)
+    out = said.stdout + said.stderr
+    assert "would not requeue" in out and "after 3 saves in a row failed" in out and "fix the checkpoint dir" in out, out
     with ftkit.FaultTolerance(tmp_path / "b", state={"model": model}, config=config(None)) as ft:
         assert list(ft.range(8)) == list(range(8))
     with pytest.raises(ftkit.ConfigError, match="max_failed_saves"):

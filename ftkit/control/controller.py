@@ -177,6 +177,7 @@ class FaultTolerance:
         self._last_save_end = float("-inf")  # monotonic time the last save became durable
         self._last_saved_step: int | None = None
         self._failed_saves = 0  # saves in a row that failed (max_failed_saves)
+        self._stopped_by_saves: int | None = None  # the count that stopped the run (its exit event says it)
         self._snapshot_stall: tuple[int, float] | None = None  # the last memory snapshot's step and stall
         self._handled_wall: dict[Source, float] = {}  # wall time of the last decision per file source
         self._seen_requests: set[str] = set()  # request files this run has logged (acted on or not)
@@ -314,6 +315,7 @@ class FaultTolerance:
                 requeue=None if final is None else final.requeue,
                 reasons=[] if final is None else list(final.reasons),
                 error=self._crash,
+                **({} if self._stopped_by_saves is None else {"saves_failed": self._stopped_by_saves}),
                 **self.runclock.exit_fields(),
             )
             if self._lease is not None:  # last: the next run may start once everything is written
@@ -690,6 +692,7 @@ class FaultTolerance:
             log.warning("%s failed, training continues%s: %s", what, left, error)
             return
         since = ("its start" if self._last_saved_step is None else f"step {self._last_saved_step}")
+        self._stopped_by_saves = self._failed_saves
         raise CheckpointError(
             f"{self._failed_saves} saves in a row failed (max_failed_saves={most}); stopping rather than train on "
             f"with nothing saved since {since}. The last: {error}") from error

@@ -17,7 +17,7 @@ from typing import Any
 
 __all__ = ["Run", "parse_runs"]
 
-_UNPLANNED = ("crash", "hang", "node", "killed")
+_UNPLANNED = ("crash", "hang", "node", "killed", "saves failing")
 
 
 def _f(value: Any) -> float | None:

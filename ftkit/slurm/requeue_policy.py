@@ -269,6 +269,10 @@ def _stopped_for_good(facts: RunFacts, verdict: _Verdict) -> RequeueDecision | N
         return verdict(False, "stopped", "the trainer stopped for good" + (f": {reasons}" if reasons else ""))
     if exit_ is not None and exit_.get("completed"):
         return verdict(False, "completed", f"training completed (step {exit_.get('step')})")
+    if exit_ is not None and exit_.get("saves_failed"):  # max_failed_saves: the next run's saves fail alike
+        return verdict(False, "saves failing", f"the trainer stopped after {exit_['saves_failed']} saves in a row "
+                       f"failed ({exit_.get('error')}); a requeued run would fail to save the same way: fix the "
+                       "checkpoint dir (space, permissions, a read-only mount), then resubmit", EXIT_UNFINISHED)
     cancelled = _cancelled(facts.slurm_job, facts.env.restart_count)
     if cancelled is not None:
         saved = f"; the trainer saved step {exit_.get('step')} and exited" if exit_ is not None and facts.clean else ""
