@@ -271,6 +271,10 @@ def test_trainer_checkpoints_from_before_ftkit_are_resumed_and_never_deleted(tmp
     assert status.returncode == 0, status.stderr
     assert [(c["step"], c["status"]) for c in json.loads(status.stdout)["checkpoints"]] == [
         (9, "valid"), (6, "unsealed"), (3, "unsealed")]
+    verify = subprocess.run([sys.executable, "-m", "ftkit", "verify", str(out)], env=_env(),
+                            capture_output=True, text=True, timeout=60)
+    said = " ".join((verify.stdout + verify.stderr).split())
+    assert verify.returncode == 0 and "all 1 checkpoint(s) valid; 2 unsealed" in said, said
 
 
 def test_a_crashed_saves_leftovers_are_not_sealed_into_the_next_save(tmp_path):

@@ -103,7 +103,7 @@ def _table(infos, title: str) -> None:
     from rich.table import Table
 
     now = time.time()
-    colour = {"valid": "green", "incomplete": "yellow", "corrupt": "red"}
+    colour = {"valid": "green", "incomplete": "yellow", "unsealed": "yellow", "corrupt": "red"}
     table = Table()
     for col in ("step", "age", "size", "status", "pinned", "why"):  # a long path in "why" folds, whole
         table.add_column(col, justify="right" if col in ("step", "size") else "left",
@@ -188,13 +188,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
     # mismatch: resume passes over it and retention removes it; one step dir asked for is
     # reported as it is, and so is a root with nothing valid
     unfinished = [i for i in infos if i.status == "incomplete"] if path.kind != "step" else []
-    bad = [i for i in infos if not i.valid and i not in unfinished]
+    # Trainer's own, from before ftkit: not verifiable, not bad; a resume takes the newest of them
+    unsealed = [i for i in infos if i.status == "unsealed"]
+    bad = [i for i in infos if not i.valid and i not in unfinished and i not in unsealed]
     valid = [i for i in infos if i.valid]
     from rich.console import Console
 
     also = (f"; {len(unfinished)} incomplete (a save that never finished or is running: harmless, "
             "resume passes over it)" if unfinished else "")
-    if bad or not valid:
+    also += (f"; {len(unsealed)} unsealed (Trainer wrote them without ftkit: no manifest to verify them "
+             "against; a resume takes the newest where it is newer than every valid one)" if unsealed else "")
+    if bad or not (valid or unsealed):
         what = f"{len(bad)} of {len(infos)} checkpoint(s) not valid" if bad else "no valid checkpoint"
         Console(stderr=True).print(f"[bold red]{what}[/]{also}", highlight=False)
         return CheckpointError.exit_code

@@ -265,7 +265,7 @@ def _status(args: argparse.Namespace) -> int:
         table = Table("step", "age", "size", "status", "pinned", title="checkpoints")
         table.add_column("why", overflow="fold")  # a long path folds, whole
         for c in status["checkpoints"]:
-            colour = {"valid": "green", "incomplete": "yellow"}.get(c["status"], "red")
+            colour = {"valid": "green", "incomplete": "yellow", "unsealed": "yellow"}.get(c["status"], "red")
             table.add_row(str(c["step"]), _age(c["time"], status["time"]), _human(c["size"]) if c["size"] else "-",
                           f"[{colour}]{c['status']}[/]", "yes" if c["pinned"] else "",
                           escape(c["reason"] or c["saved_for"] or ""))
