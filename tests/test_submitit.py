@@ -262,6 +262,22 @@ def test_local_executor_two_tasks_get_one_process_group(tmp_path: Path, dist_ref
     assert sorted((e["rank"], e["world_size"]) for e in events if e["event"] == "start") == [(0, 2), (1, 2)]
 
 
+def test_a_function_that_initialises_the_group_itself_is_told_what_to_change(tmp_path: Path) -> None:
+    """fn calls init_process_group as the docs once said, after FtkitCheckpointable did: the job
+    fails with what to remove or pass, not with torch's "initialize ... twice"."""
+    executor = submitit.AutoExecutor(folder=tmp_path / "submitit", cluster="local")
+    executor.update_parameters(timeout_min=5, nodes=1, tasks_per_node=2)
+    job = executor.submit(FtkitCheckpointable(submitit_dist_job.train_initialising_the_group,
+                                              jobdir=tmp_path / "job"), DIST_SETTINGS)
+    try:
+        with pytest.raises(Exception, match=r"remove the function's init_process_group call"):
+            job.results()
+    finally:
+        if job.state == "RUNNING":
+            job.cancel()
+        job._process.wait(timeout=30)
+
+
 @pytest.mark.slurm
 def test_slurm_two_nodes_requeue_resumes_bit_identical(tmp_path: Path, dist_reference: dict,
                                                        slurm_multinode, slurm_jobs) -> None:

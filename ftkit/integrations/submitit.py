@@ -214,6 +214,14 @@ class FtkitCheckpointable(Checkpointable):
         owned = self._setup_distributed()
         try:
             return self._run(config, args, kwargs)
+        except ValueError as exc:
+            if owned and "default process group twice" in str(exc):  # torch's words, fn's init_process_group
+                raise ConfigError(
+                    "the training function initialises torch.distributed itself, but FtkitCheckpointable "
+                    "(distributed='auto', the default) did already, before building ftkit: remove the function's "
+                    "init_process_group call, or pass FtkitCheckpointable(..., distributed=None) and initialise "
+                    "the group before the callable runs") from exc
+            raise
         finally:
             if owned:
                 _destroy_process_group()

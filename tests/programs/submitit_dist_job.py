@@ -69,3 +69,9 @@ def train(ft: ftkit.FaultTolerance, settings: Settings) -> dict[str, Any]:
             ready.write_text(f"{step + 1}\n")
     return {"rank": ft.rank, "world_size": ft.world_size, "dist_world_size": world, "completed": ft.completed,
             "last_step": ft.last_saved_step, "params_sha256": digest(model)}
+
+
+def train_initialising_the_group(ft: ftkit.FaultTolerance, settings: Settings) -> dict[str, Any]:
+    """What the docs told users before FtkitCheckpointable set up the group: fn does it."""
+    dist.init_process_group("gloo")
+    return train(ft, settings)
