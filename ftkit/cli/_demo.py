@@ -73,9 +73,10 @@ def _demo(args: argparse.Namespace) -> int:
                             async_save=args.async_save)
     console.print(f"[bold]ftkit demo[/]: {args.steps} steps of a small MLP on the CPU, pid {os.getpid()}, "
                   f"job dir {args.jobdir.absolute()}", highlight=False)
-    console.print("[bold]Poke it from another terminal:[/]")
-    console.print(_instructions(args.jobdir, os.getpid()), highlight=False)
-    console.print("Run the same command again and it resumes exactly where it stopped.")
+    if int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0) == 0:  # once per job, not per rank
+        console.print("[bold]Poke it from another terminal:[/]")
+        console.print(_instructions(args.jobdir, os.getpid()), highlight=False)
+        console.print("Run the same command again and it resumes exactly where it stopped.")
     first: list[int] = []  # the step this run starts from
     began: list[float] = []  # when it did: the rate leaves out imports and loading
 

@@ -242,8 +242,8 @@ class FtkitCallback(TrainerCallback):
                            reason=reason, kind="hf")
             if self.keep_last is not None:
                 best = state.best_model_checkpoint
-                retain(path.parent, keep_last=self.keep_last, protect=[best] if best else (),
-                       events=ft.events)
+                retain(path.parent.absolute(), keep_last=self.keep_last, protect=[best] if best else (),
+                       events=ft.events)  # (absolute: the events log names every checkpoint so)
         if dist is not None:
             dist.barrier()  # the manifest is durable before any rank acts on it (exit, requeue)
         ft.saved(step, seconds=time.monotonic() - self._began, decision=decision)  # Trainer wrote it

@@ -103,12 +103,18 @@ def delete(
     try:
         delete_checkpoint(root, info.path, parse=parse)
     except CheckpointError as exc:
-        log.warning("%s", exc)
+        said = str(exc)  # once per process: retention asks again after every save
+        log.log(logging.DEBUG if said in _REFUSED else logging.WARNING, "%s", said)
+        _REFUSED.add(said)
         return False
     log.info("deleted checkpoint %s: %s", info.path, why)
     if emit is not None:
         emit("delete", step=info.step, path=str(info.path), reason=why, status=info.status)
     return True
+
+
+_REFUSED: set[str] = set()
+"""Refusals to delete already logged as warnings (:func:`delete`)."""
 
 
 def retain(
