@@ -370,8 +370,37 @@ def _set(state: Mapping[str, Any], keys: frozenset[str], sds: dict[str, Any], op
         else:
             # not strict: a parameter the checkpoint has no moments for (_without_unsaved_moments)
             # gets none; the load above already had every other parameter's, or failed
-            set_optimizer_state_dict(_owner(state, key, value), value, sds[key],
-                                     options=dataclasses.replace(options, strict=False))
+            model, relaxed = _owner(state, key, value), dataclasses.replace(options, strict=False)
+            try:
+                set_optimizer_state_dict(model, value, sds[key], options=relaxed)
+            except KeyError:
+                # torch <= 2.6 wants moments for every parameter that needs a gradient, strict
+                # or not (its KeyError comes before it loads anything): hide those without
+                hidden = _without_moments(model, value, sds[key])
+                if not hidden:
+                    raise
+                try:
+                    set_optimizer_state_dict(model, value, sds[key], options=relaxed)
+                finally:
+                    for p in hidden:
+                        p.requires_grad_(True)
+
+
+def _without_moments(model: torch.nn.Module, opt: torch.optim.Optimizer, sd: Any) -> list[torch.nn.Parameter]:
+    """The parameters of ``opt`` that need a gradient and have no moments in ``sd``, with
+    ``requires_grad`` turned off (the caller turns it back on)."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    moments = sd.get("state") if isinstance(sd, Mapping) else None
+    if not isinstance(moments, Mapping):
+        return []
+    wanted = {id(p) for group in opt.param_groups for p in group["params"]}
+    hidden = []
+    for name, p in model.named_parameters():
+        if id(p) in wanted and p.requires_grad and not any(f in moments for f in _get_fqns(model, name)):
+            p.requires_grad_(False)
+            hidden.append(p)
+    return hidden
 
 
 def _optimizer_by_name(
