@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,6 +24,7 @@ from ftkit.integrations.submitit import FtkitCheckpointable, submitit_signal
 from ftkit.jobdir import JobDir
 from ftkit.lease import Lease, LeaseConfig
 from ftkit.slurm.requeue import newest_checkpoint_step
+from tests.conftest import wait_for
 from tests.programs import submitit_dist_job, submitit_job
 
 cloudpickle.register_pickle_by_value(submitit_job)  # the job needs no `tests` on its path
@@ -36,13 +36,9 @@ DIST_SETTINGS = submitit_dist_job.Settings(steps=60, step_time=0.05)
 
 def _wait_ready(jobdir: Path, timeout: float = 60.0) -> int:
     """Pid of the first run once it has done a step under ftkit's handlers."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = sorted(jobdir.glob("ready-*"))
-        if found:
-            return int(found[0].name.split("-", 1)[1])
-        time.sleep(0.05)
-    raise AssertionError(f"no run of the job reached a step within {timeout:.0f} s ({jobdir})")
+    found = wait_for(lambda: sorted(jobdir.glob("ready-*")), timeout, interval=0.05,
+                     what=f"a run of the job to reach a step ({jobdir})")
+    return int(found[0].name.split("-", 1)[1])
 
 
 def _events(jobdir: Path) -> list[dict]:
@@ -220,12 +216,8 @@ def test_a_signal_while_ftkit_starts_is_not_lost(tmp_path: Path, monkeypatch: py
 
 def _wait_ranks_ready(jobdir: Path, ranks: int, timeout: float = 90.0) -> None:
     """Until every rank of the first run has done a step under ftkit's handlers."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if len({p.name.split("-")[1] for p in jobdir.glob("ready-*")}) >= ranks:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"not all {ranks} ranks reached a step within {timeout:.0f} s ({jobdir})")
+    wait_for(lambda: len({p.name.split("-")[1] for p in jobdir.glob("ready-*")}) >= ranks, timeout, interval=0.05,
+             what=f"all {ranks} ranks to reach a step ({jobdir})")
 
 
 @pytest.fixture(scope="module")
@@ -463,13 +455,11 @@ def test_slurm_preemption_requeued_by_slurm_before_submitit(tmp_path: Path, slur
                           f"--output={tmp_path / 'high.out'}", "--wrap", "sleep 1"],
                          capture_output=True, text=True, check=True, timeout=30).stdout
     slurm_jobs.job_ids.append(int(out.strip().split(";")[0]))
-    deadline = time.monotonic() + 90
-    while True:  # GraceTime (20 s on the test cluster), then SLURM requeues the job itself
+    def requeued_by_slurm() -> bool:  # GraceTime (20 s on the test cluster), then SLURM requeues the job itself
         info = slurm_jobs.job_info(job_id)
-        if info["Restarts"] == "1" or info["JobState"] in ("PENDING", "REQUEUED"):
-            break
-        assert time.monotonic() < deadline, f"SLURM did not preempt job {job_id}: {info}"
-        time.sleep(0.2)
+        return info["Restarts"] == "1" or info["JobState"] in ("PENDING", "REQUEUED")
+
+    wait_for(requeued_by_slurm, 90, interval=0.2, what=f"SLURM to preempt and requeue job {job_id}")
     (jobdir / "hold").unlink()
     slurm_jobs.start_now(job_id)
     info = slurm_jobs.wait_state(job_id, "COMPLETED", timeout=120)
