@@ -149,8 +149,9 @@ def test_an_error_of_the_system_is_unreadable_not_corrupt(tmp_path: Path, monkey
 
 
 def test_a_switch_on_a_full_or_read_only_filesystem_names_that_cause(tmp_path: Path) -> None:
-    """``ftkit save`` where the job dir's filesystem is full (no inode left), then read-only:
-    the error names that, not a permission problem or "remove whatever is there"."""
+    """``ftkit save`` and ``ftkit request`` where the job dir's filesystem is full (no inode
+    left), then read-only: the error names that, not a permission problem or "remove whatever
+    is there", and exits 2 (a setting or path to fix)."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=8", "tmpfs", str(mnt)], check=True)
@@ -165,13 +166,17 @@ def test_a_switch_on_a_full_or_read_only_filesystem_names_that_cause(tmp_path: P
                 (mnt / f"f{n}").touch()
         except OSError:
             pass
-        full = subprocess.run([sys.executable, "-m", "ftkit", "save", str(job)], capture_output=True, text=True,
-                              timeout=60, env=env)
-        assert full.returncode != 0 and "is full (no space or no inodes left)" in full.stderr, full.stderr
+        for command in (["save"], ["request", "save"]):  # a switch file, a request file
+            full = subprocess.run([sys.executable, "-m", "ftkit", *command, str(job)], capture_output=True,
+                                  text=True, timeout=60, env=env)
+            said = " ".join(full.stderr.split())
+            assert full.returncode == 2 and "is full (no space or no inodes left)" in said, (command, said)
         subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
-        ro = subprocess.run([sys.executable, "-m", "ftkit", "save", str(job)], capture_output=True, text=True,
-                            timeout=60, env=env)
-        assert ro.returncode != 0 and "read-only filesystem here" in ro.stderr, ro.stderr
-        assert "may not write" not in ro.stderr
+        for command in (["save"], ["request", "save"]):
+            ro = subprocess.run([sys.executable, "-m", "ftkit", *command, str(job)], capture_output=True, text=True,
+                                timeout=60, env=env)
+            said = " ".join(ro.stderr.split())
+            assert ro.returncode == 2 and "read-only filesystem here" in said, (command, said)
+            assert "may not write" not in said and "Traceback" not in said
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -91,17 +91,7 @@ def touch_switch(job_dir: JobDir | str | os.PathLike[str], which: str) -> Path:
             return path
         fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError as exc:
-        if exc.errno in (errno.EACCES, errno.EPERM):
-            fix = (f"this user may not write in {jd.root}: run the command as the job's owner (or a user "
-                   "with write access to the job dir)")
-        elif exc.errno == errno.EROFS:
-            fix = (f"{jd.root} is on a read-only filesystem here: run the command where the job dir is mounted "
-                   "writable (the job cannot write its checkpoints there either)")
-        elif exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            fix = (f"the filesystem of {jd.root} is full (no space or no inodes left): free some; the job's "
-                   "saves fail too (`ftkit ls` lists its checkpoints and their sizes)")
-        else:
-            fix = "remove whatever is there so a regular file can be created"
+        fix = _cannot_write(jd, exc) or "remove whatever is there so a regular file can be created"
         raise ConfigError(f"{path}: cannot touch the {which} switch ({exc.strerror}); {fix}") from exc
     try:
         before = os.fstat(fd).st_mtime_ns
@@ -156,6 +146,21 @@ def touched_at(path: str | os.PathLike[str]) -> float | None:
 # request files
 
 
+def _cannot_write(jd: JobDir, exc: OSError) -> str | None:
+    """What to do when a file cannot be written into the job dir ``jd`` (None: not one of the
+    filesystem's refusals: permissions, read-only, full)."""
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return (f"this user may not write in {jd.root}: run the command as the job's owner (or a user "
+                "with write access to the job dir)")
+    if exc.errno == errno.EROFS:
+        return (f"{jd.root} is on a read-only filesystem here: run the command where the job dir is mounted "
+                "writable (the job cannot write its checkpoints there either)")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"the filesystem of {jd.root} is full (no space or no inodes left): free some; the job's "
+                "saves fail too (`ftkit ls` lists its checkpoints and their sizes)")
+    return None
+
+
 def write_request(
     job_dir: JobDir | str | os.PathLike[str], action: str, *, reason: str = ""
 ) -> Path:
@@ -169,12 +174,18 @@ def write_request(
     jd = _job_dir(job_dir)
     if not jd.root.is_dir():
         raise ConfigError(f"job directory {jd.root} does not exist; check the JOBDIR argument")
-    jd.requests.mkdir(exist_ok=True)
     host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
     pid = os.getpid()
     final = jd.requests / f"{time.time_ns()}-{host}-{pid}-{name}.json"
     payload = {"action": name, "reason": reason, "created": time.time(), "pid": pid, "host": host}
-    atomic_write(final, (json.dumps(payload) + "\n").encode())
+    try:
+        jd.requests.mkdir(exist_ok=True)
+        atomic_write(final, (json.dumps(payload) + "\n").encode())
+    except OSError as exc:
+        fix = _cannot_write(jd, exc)
+        if fix is None:
+            raise
+        raise ConfigError(f"{jd.requests}: cannot write the {name} request ({exc.strerror}); {fix}") from exc
     return final
 
 
