@@ -14,10 +14,8 @@ SHA-256 of the parameters.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,21 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ftkit
-
-
-@dataclass(frozen=True, kw_only=True)
-class Settings:
-    steps: int = 60
-    step_time: float = 0.05
-    seed: int = 0
-
-
-def digest(model: nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(p.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
+from tests.programs.submitit_job import Settings, digest  # (both modules go to the job by value)
 
 
 def train(ft: ftkit.FaultTolerance, settings: Settings) -> dict[str, Any]:
