@@ -160,7 +160,7 @@ def test_full_state_round_trip(tmp_path):
 
 def test_unsupported_object_refused_before_anything_is_written(tmp_path):
     mgr = make_mgr(tmp_path / "ck")
-    with pytest.raises(CheckpointError, match=r"state\['extra'\]\['obj'\]"):
+    with pytest.raises(ConfigError, match=r"state\['extra'\]\['obj'\]"):  # the state's fault, not the disk's
         mgr.save(1, {"extra": {"obj": object()}})
     assert not (tmp_path / "ck").exists() or not os.listdir(tmp_path / "ck")
 

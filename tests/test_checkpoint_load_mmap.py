@@ -2,7 +2,7 @@
 
 The state file is read once into a fresh buffer and parsed there (its tensors are views of
 the buffer, not copies). A tensor a live object keeps (optimizer state, a new dict entry, a
-tensor of another shape) would otherwise hold the whole buffer; the tests check that every
+tensor that replaces an empty placeholder) would otherwise hold the whole buffer; the tests check that every
 live tensor lies outside it, that the buffer is freed after ``load``, and (/proc/self/maps)
 that no mapping of the file exists, so retention deleting it frees its space.
 """
@@ -87,10 +87,11 @@ def test_resume_parses_the_read_buffer_in_place_and_keeps_none_of_it(tmp_path, m
     }
     seen = _spy_read(monkeypatch)
 
-    # a new process's view: fresh model, an optimizer without state, a tensor of another shape
+    # a new process's view: fresh model, an optimizer without state, an empty tensor (a
+    # placeholder the saved one replaces)
     fresh_model, _ = _trained(seed=1)
     fresh_opt = torch.optim.Adam(fresh_model.parameters(), lr=1e-2)
-    state = _state(fresh_model, fresh_opt, torch.zeros(2))
+    state = _state(fresh_model, fresh_opt, torch.zeros(0))
     assert make_manager(CheckpointConfig(root=tmp_path)).load(state) == 3
     assert seen["torch.load"] == [] and len(seen["buffers"]) == 1  # one read, parsed in place
     buffer, start, end = seen["buffers"][0]
@@ -104,7 +105,7 @@ def test_resume_parses_the_read_buffer_in_place_and_keeps_none_of_it(tmp_path, m
         assert torch.equal(v, expected["model"][k]), k
     got = [fresh_opt.state[p]["exp_avg"] for p in fresh_model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(got, expected["exp_avg"], strict=True))
-    assert torch.equal(state["extra"], torch.arange(5.0))  # adopted: another shape than live
+    assert torch.equal(state["extra"], torch.arange(5.0))  # adopted: the live one was an empty placeholder
     assert torch.equal(state["table"]["b"], torch.full((2,), 7.0))
     shutil.rmtree(tmp_path)  # retention deleting the files: the resumed state is unaffected
     fresh_model(torch.randn(4, 64)).square().sum().backward()

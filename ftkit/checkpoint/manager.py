@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, NoCheckpointError, out_of_memory
+from ..errors import CheckpointError, ConfigError, NoCheckpointError, out_of_memory
 from .comm import Comm
 from .config import CheckpointConfig, CheckpointInfo
 from .format.commit import Committer, save_error
@@ -54,13 +54,14 @@ from .state.restore import (
     misfit,
     on_gpu,
     own_tensors,
+    plain_mismatches,
     reachable_tensors,
     restore_state,
     scheduler_mismatches,
     settings_replaced,
     shape_mismatches,
 )
-from .state.snapshot import Snapshot, derive_rng, is_dtensor, restore_rng, take_snapshot
+from .state.snapshot import Snapshot, derive_rng, is_dtensor, restore_rng, take_snapshot, unsavable
 
 __all__ = ["Checkpointer"]
 
@@ -312,6 +313,9 @@ class Checkpointer(CheckpointManager):
         Returns the restored step, or None for a fresh start. Honours ``config.resume``.
         Invalid checkpoints are skipped, newest first, each with a warning and a ``skip`` event.
         """
+        problem = unsavable(state)  # refused now, not at the first save (the steps since lost)
+        if problem:
+            raise ConfigError(problem)
         self.commits.unfork()  # the last load decides where this run goes on from
         if step is None and self.config.resume == "never":
             self._say("ftkit resume: checkpoint.resume is 'never': starting fresh")
@@ -730,6 +734,9 @@ class Checkpointer(CheckpointManager):
             from .dcp import load_full, load_sharded, sharded_keys
 
             keys = sharded_keys(live)
+            misfits = plain_mismatches({k: v for k, v in live.items() if k not in keys}, saved)
+            if misfits:  # the per-rank rest, found before DCP sets anything
+                raise CheckpointError(misfit(path / name, misfits))
             if reader is not None:
                 self._written = dict.fromkeys(keys)
             try:
@@ -768,7 +775,10 @@ class Checkpointer(CheckpointManager):
                 raise CheckpointError(misfit(path / name, misfits))
         # the payload's tensors are views of the read buffer: what a live object keeps is copied
         # (unless each was read into a live tensor or memory of its own: read_state_into)
-        restore_state(rest, saved if payload.get("owned") else own_tensors(rest, saved))
+        try:
+            restore_state(rest, saved if payload.get("owned") else own_tensors(rest, saved))
+        except ConfigError as exc:  # the script's objects refuse the saved state: the checkpoint stays
+            raise ConfigError(f"checkpoint {path}: {exc}") from exc
         for key, value in rest.items():  # plain values restored by replacement
             if state[key] is value:
                 continue

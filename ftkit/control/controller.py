@@ -619,6 +619,11 @@ class FaultTolerance:
                                       reason=f"save-switch still present ({self.job.save_switch}): the save it "
                                              "asked for failed, tried again"))
             return None
+        except Exception as exc:  # not a failure of the disk's (a bug, state that cannot be saved): raised
+            self.watchdog.end_save()
+            if not _event_written(exc, step):
+                self.events.emit("save-failed", step=step, reason=why, error=f"{type(exc).__name__}: {exc}")
+            raise
         stall = self._clock() - began
         exiting = last
         seconds = stall

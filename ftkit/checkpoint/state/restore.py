@@ -2,7 +2,10 @@
 
 * an object with ``load_state_dict`` gets ``load_state_dict(saved)``;
 * a dict is updated in place key by key (recursively; keys not in the checkpoint are kept);
-* a list is refilled in place; a tensor of the same shape and dtype is ``copy_``-ed into;
+* a list is refilled in place, a tuple's items restored one by one (its tensors in place);
+* a tensor of the same shape is ``copy_``-ed into (another dtype converts, as a module's
+  parameter does); one of another shape is refused before anything is restored
+  (:func:`plain_mismatches`), unless the live one is empty (a placeholder: replaced);
 * any other value (int, float, str, ...) is written back into the state mapping, so
   ``state["step_in_epoch"]`` holds the restored value after ``load``.
 
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 from torch.nn.parameter import is_lazy
 
+from ...errors import ConfigError
 from .keys import canonical
 from .snapshot import is_dtensor, is_stateful
 
@@ -39,6 +43,7 @@ __all__ = [
     "on_gpu",
     "optimizer_homes",
     "own_tensors",
+    "plain_mismatches",
     "reachable_tensors",
     "restore_state",
     "scheduler_mismatches",
@@ -69,11 +74,26 @@ def _restore_value(live: Any, saved: Any) -> Any:
         else:
             live[:] = saved
         return live
-    if _same_kind(live, saved):
+    if isinstance(live, tuple) and isinstance(saved, (tuple, list)) and len(live) == len(saved):
+        # a tuple cannot be refilled, but the tensors in it can: the script's own references
+        # (an EMA it updates in place) go on from the saved values, as in a list
+        items = [_restore_value(a, b) for a, b in zip(live, saved, strict=True)]
+        if all(a is b for a, b in zip(live, items, strict=True)):
+            return live
+        return type(live)(*items) if hasattr(live, "_fields") else tuple(items)  # a namedtuple stays one
+    if _same_kind(live, saved) or _converts(live, saved):
         with torch.no_grad():
-            live.copy_(saved)
+            live.copy_(saved)  # another dtype converts, as a module's load_state_dict does
         return live
     return saved
+
+
+def _converts(live: Any, saved: Any) -> bool:
+    """Both tensors, same shape, another dtype (the script changed it since the save): the
+    saved values are copied into the live tensor with a conversion, as ``Module.load_state_dict``
+    does for a parameter."""
+    return (isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor) and not is_lazy(live)
+            and not is_dtensor(live) and live.shape == saved.shape)
 
 
 def own_tensors(state: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[str, Any]:
@@ -104,8 +124,8 @@ def _own(live: Any, saved: Any) -> Any:
         return _into(live.state_dict(), saved)
     if isinstance(live, MutableMapping) and isinstance(saved, Mapping):
         return {k: _own(live.get(k, _MISSING), v) for k, v in saved.items()}
-    if isinstance(live, list) and isinstance(saved, list) and len(live) == len(saved):
-        return [_own(a, b) for a, b in zip(live, saved, strict=True)]
+    if isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)) and len(live) == len(saved):
+        return type(saved)(_own(a, b) for a, b in zip(live, saved, strict=True))
     if _same_kind(live, saved):
         return saved
     return clone_tensors(saved)
@@ -146,7 +166,7 @@ def live_targets(state: Mapping[str, Any], saved: Mapping[str, Any],
         elif isinstance(live, Mapping) and isinstance(saved, Mapping):
             for k, v in saved.items():
                 walk(live.get(k, _MISSING), v)
-        elif isinstance(live, list) and isinstance(saved, list) and len(live) == len(saved):
+        elif isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)) and len(live) == len(saved):
             for a, b in zip(live, saved, strict=True):
                 walk(a, b)
         elif _same_kind(live, saved) and not is_dtensor(live):  # a DTensor's bytes are not its own
@@ -232,11 +252,12 @@ def _fsdp_own(hook: Any) -> bool:
 
 def misfit(where: Any, misfits: list[str]) -> str:
     """The refusal of a checkpoint ``where`` whose tensors or keys do not fit the live state
-    (:func:`shape_mismatches`, :func:`key_mismatches`, :func:`scheduler_mismatches`, a DCP
-    load's removed layers), naming what changed: the model, its optimizer, its scheduler."""
+    (:func:`shape_mismatches`, :func:`key_mismatches`, :func:`scheduler_mismatches`,
+    :func:`plain_mismatches`, a DCP load's removed layers), naming what changed: the model, its
+    optimizer, its scheduler, a plain tensor."""
     more = f" and {len(misfits) - 3} more" if len(misfits) > 3 else ""
     said = {_kind_of(m) for m in misfits}
-    kinds = [kind for kind in ("model", "optimizer", "scheduler") if kind in said] or ["model"]
+    kinds = [kind for kind in ("model", "optimizer", "scheduler", "tensor") if kind in said] or ["model"]
     what = kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + " and " + kinds[-1]
     return (f"{where} does not fit the live state: {'; '.join(misfits[:3])}{more}. The {what} changed since "
             f"this checkpoint was saved: resume with the {what} it was saved with, or start the changed "
@@ -251,6 +272,8 @@ def _kind_of(mismatch: str) -> str:
         return "optimizer"
     if "the checkpoint's scheduler lacks" in mismatch:
         return "scheduler"
+    if mismatch.endswith(_PLAIN_MARK):
+        return "tensor"
     return "model"
 
 
@@ -344,7 +367,41 @@ def key_mismatches(state: Mapping[str, Any], saved: Mapping[str, Any]) -> list[s
                              f"the live one {live_sizes}")
             else:
                 found += [f"state[{key!r}]: {m}" for m in _group_key_mismatches(live, groups)]
-    return found + scheduler_mismatches(state, saved)
+    return found + scheduler_mismatches(state, saved) + plain_mismatches(state, saved)
+
+
+_PLAIN_MARK = "in the state (a plain tensor)"
+
+
+def plain_mismatches(state: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
+    """The state's plain tensors (under a key, in its dicts, lists and tuples: not a module's
+    or an optimizer's) whose shape is not the saved one's, as ``state['stats'] is [4] float32
+    in the checkpoint, [6] float32 in the state (a plain tensor)``: the script changed it
+    since the save. Restored, the saved tensor would take its place in the state while the
+    script's own references to the live one (a running statistic it updates in place) start
+    over, unseen. An empty live tensor (a placeholder for what the checkpoint holds) is not one."""
+    found: list[str] = []
+
+    def walk(live: Any, theirs: Any, where: str) -> None:
+        if is_stateful(live):
+            return
+        if isinstance(live, torch.Tensor):
+            if (isinstance(theirs, torch.Tensor) and not is_lazy(live) and not is_dtensor(live) and live.numel()
+                    and tuple(live.shape) != tuple(theirs.shape)):
+                found.append(f"{where} is {list(theirs.shape)} {str(theirs.dtype).removeprefix('torch.')} in the "
+                             f"checkpoint, {list(live.shape)} {str(live.dtype).removeprefix('torch.')} {_PLAIN_MARK}")
+        elif isinstance(live, Mapping) and isinstance(theirs, Mapping):
+            for k, v in theirs.items():
+                if k in live:
+                    walk(live[k], v, f"{where}[{k!r}]")
+        elif isinstance(live, (list, tuple)) and isinstance(theirs, (list, tuple)) and len(live) == len(theirs):
+            for i, (a, b) in enumerate(zip(live, theirs, strict=True)):
+                walk(a, b, f"{where}[{i}]")
+
+    for key, value in state.items():
+        if key in saved:
+            walk(value, saved[key], f"state[{key!r}]")
+    return found
 
 
 def _wrapper(module: torch.nn.Module) -> bool:
@@ -401,16 +458,22 @@ def settings_replaced(before: Mapping[str, list[dict[str, Any]]], state: Mapping
     ``load_state_dict`` restores the saved param groups, so a setting changed in the script
     since the save is silently the checkpoint's again. Not the learning rate itself, which a
     scheduler (or the script, step by step) changes as training goes: a scheduler's base
-    learning rate (``initial_lr``) instead."""
+    learning rate (``initial_lr``) instead. Nor the momentum (``momentum``, ``betas``) of an
+    optimizer whose scheduler cycles it (``OneCycleLR``, ``CyclicLR``: ``cycle_momentum``), which
+    changes at every step as the learning rate does: their ``max_momentum``/``base_momentum``
+    instead."""
     found: list[str] = []
     for key, groups in before.items():
         live = state.get(key)
         if not isinstance(live, torch.optim.Optimizer) or len(live.param_groups) != len(groups):
             continue
+        moving = {"lr"}
+        if any(getattr(v, "optimizer", None) is live and getattr(v, "cycle_momentum", False) for v in state.values()):
+            moving |= {"momentum", "betas"}
         for i, (was, group) in enumerate(zip(groups, live.param_groups, strict=True)):
             changed = []
             for name in sorted(was):
-                if name == "lr" or name not in group:
+                if name in moving or name not in group:
                     continue
                 old, new = _setting(was[name]), _setting(group[name])
                 if old is not None and new is not None and old != new:
@@ -612,7 +675,10 @@ def restore_state(state: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
         if key not in saved:
             log.warning("state[%r] is not in the checkpoint; left as it is", key)
             continue
-        new = _restore_value(live, saved[key])
+        try:
+            new = _restore_value(live, saved[key])
+        except ConfigError as exc:  # an object refusing its saved state (ResumableSampler's): say whose
+            raise ConfigError(f"state[{key!r}]: {exc}") from exc
         if new is not live:
             if isinstance(state, MutableMapping):
                 state[key] = new

@@ -145,7 +145,10 @@ class ResumableSampler(Sampler[int]):
         ):
             raise ConfigError(
                 f"ResumableSampler: checkpoint was made with length={state.get('length')} "
-                f"seed={state.get('seed')}, this sampler has length={self.length} seed={self.seed}"
+                f"seed={state.get('seed')}, this sampler has length={self.length} seed={self.seed}: its position "
+                "is another order's. Resume with the dataset and seed it was saved with, or start the sampler "
+                "over: put it in the state under a new key, listed in CheckpointConfig(allow_missing=...) for "
+                "the first run"
             )
         self.epoch = int(state["epoch"])
         position, start = int(state["position"]), int(state.get("start", 0))

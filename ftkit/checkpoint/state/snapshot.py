@@ -3,7 +3,8 @@
 Everything a snapshot holds is something ``torch.load(weights_only=True)`` accepts: tensors,
 dicts, lists, tuples, numbers, strings, bytes, None, dtypes and devices. An object that
 is none of these must offer ``state_dict()``/``load_state_dict()``; anything else is refused
-at save time with the key path named, not at load time. :func:`flatten` is that walk, for the
+with the key path named (a ``ConfigError``): by a load (:func:`unsavable`), so at a run's start,
+and by a save (:func:`flatten`). :func:`flatten` is that walk, for the
 synchronous snapshot (:func:`take_snapshot`) and the background copy (``background.buffers``)
 alike. Restoring is :mod:`ftkit.checkpoint.state.restore`.
 """
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ...errors import CheckpointError
+from ...errors import CheckpointError, ConfigError
 from ..io.direct import aligned_like
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "materialize",
     "restore_rng",
     "take_snapshot",
+    "unsavable",
 ]
 
 log = logging.getLogger(__name__)
@@ -126,16 +128,46 @@ def flatten(
             if type(value) is tuple and _all_scalars(value):
                 return value
             return tuple(walk(v, f"{where}[{i}]") for i, v in enumerate(value))
-        raise CheckpointError(
-            f"cannot checkpoint {where}: a {type(value).__module__}.{type(value).__qualname__} is "
-            "neither a plain value (tensor, number, str, list, dict) nor an object with "
-            "state_dict()/load_state_dict()"
-        )
+        raise ConfigError(_cannot(where, value))
 
     skeleton = {"state": {k: walk(v, f"state[{k!r}]") for k, v in state.items() if k not in exclude}}
     if rng:
         skeleton["rng"] = walk(capture_rng(), "rng")
     return skeleton, tensors
+
+
+def _cannot(where: str, value: Any) -> str:
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    how = ("checkpoint its get_state() through an object whose state_dict() returns it and whose "
+           "load_state_dict() gives it to set_state()" if callable(getattr(value, "get_state", None))
+           else "give it state_dict()/load_state_dict() (a small wrapper object will do)")
+    return (f"cannot checkpoint {where}: a {kind} is neither a plain value (tensor, number, str, list, "
+            f"tuple, dict) nor an object with state_dict()/load_state_dict(); {how}, or leave it out of the state")
+
+
+def unsavable(state: Mapping[str, Any]) -> str | None:
+    """Why ``state`` could never be saved (:func:`flatten` would refuse a value in it), found
+    without a walk of its objects' ``state_dict()`` (a model's, costly or collective): a value
+    under a key, or in its dicts, lists and tuples, that is neither plain nor stateful. A load
+    checks this first, so that a run refuses it at its start rather than at its first save,
+    after the steps since are lost."""
+
+    def walk(value: Any, where: str) -> str | None:
+        if isinstance(value, (torch.Tensor, *_PLAIN)) or is_stateful(value):
+            return None
+        if isinstance(value, Mapping):
+            items: Any = ((f"{where}[{k!r}]", v) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            if _all_scalars(value):
+                return None
+            items = ((f"{where}[{i}]", v) for i, v in enumerate(value))
+        else:
+            return _cannot(where, value)
+        return next((p for p in (walk(v, w) for w, v in items) if p), None)
+
+    if not isinstance(state, Mapping):
+        return f"state must be a mapping of name -> object, got {type(state).__name__}"
+    return next((p for p in (walk(v, f"state[{k!r}]") for k, v in state.items()) if p), None)
 
 
 def materialize(skeleton: Any, buffers: list[torch.Tensor]) -> Any:
