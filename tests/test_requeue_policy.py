@@ -596,3 +596,17 @@ def test_cli_requeue(jobdir, monkeypatch, capsys) -> None:
     finally:
         for s, h in before.items():
             signal.signal(s, h)
+
+
+@pytest.mark.parametrize("job_id", [None, "100"], ids=["no-slurm", "one-slurm-job"])
+def test_a_crash_after_an_earlier_runs_clean_exit_is_a_crash(jobdir, job_id) -> None:
+    """Two runs of one job dir under the same job id (outside SLURM: none; under SLURM, a batch
+    script that starts training twice) and no ``requeue`` event between them (``ftkit requeue``
+    was not run, or only with ``--dry-run``): the first exited cleanly on SIGTERM, the second
+    was killed with kill -9 after progress. The verdict is the second run's: a crash, requeued,
+    not "exited without asking for a requeue" from the first run's exit event."""
+    trainer_run(jobdir, job_id=job_id, exit={"reasons": ["SIGTERM received"]})
+    trainer_run(jobdir, job_id=job_id)  # killed: no exit event
+    env = SlurmEnv(job_id=job_id, restart_count=0)
+    d = run_decide(jobdir, env, FakeScontrol(RUNNING) if job_id else Missing(), rc=137, step=20)
+    assert (d.requeue, d.cause) == (True, "crash"), d

@@ -251,14 +251,19 @@ def write_runs(path: str | os.PathLike[str], runs: list[dict[str, Any]]) -> None
 
 def _this_run(events: list[dict[str, Any]], env: SlurmEnv) -> list[dict[str, Any]]:
     """The events of the run that just ended: after the last ``requeue`` event (the end of
-    the previous run), from the first ``start`` of this job id and restart count on."""
+    the previous run), from the last rank 0 ``start`` of this job id and restart count on
+    (the first ``start`` of any rank where no rank 0 wrote one). The last, not the first:
+    outside SLURM every run has no job id, and a batch script or a launcher's restart may start
+    several runs in one job, each of which ends the one before (an ``ftkit requeue`` after a
+    crash must not read an earlier run's clean exit as this run's)."""
     last_end = max((i for i, e in enumerate(events) if e.get("event") == "requeue"), default=-1)
     block = events[last_end + 1 :]
-    for i, e in enumerate(block):
-        if (e.get("event") == "start" and e.get("job_id") == env.job_id
-                and int(e.get("restart_count") or 0) == env.restart_count):
-            return block[i:]
-    return []
+    ours = [i for i, e in enumerate(block) if e.get("event") == "start" and e.get("job_id") == env.job_id
+            and int(e.get("restart_count") or 0) == env.restart_count]
+    leaders = [i for i in ours if block[i].get("rank", 0) == 0]
+    if leaders:
+        return block[leaders[-1]:]
+    return block[ours[0]:] if ours else []
 
 
 def _last(events: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
