@@ -20,6 +20,7 @@ from ftkit.control.interval import (
     IntervalConfig,
     choose_interval,
     expected_waste,
+    read_history,
     young_daly,
 )
 from ftkit.errors import ConfigError
@@ -79,17 +80,45 @@ def test_a_change_of_cost_moves_the_interval_and_is_recorded(tmp_path: Path) -> 
     assert auto.schedule(0, step_time=2.0) == 60  # no cost measured yet: first_after / step time
     auto.measured(cost=10.0, durable=10.0)
     assert auto.schedule(60, step_time=2.0) == 300 and auto.next_step == 360  # 600 s / 2 s
-    auto.measured(cost=10.2, durable=10.2)  # within `change` (10 %): same interval, no new record
-    assert auto.schedule(360, step_time=2.0) == 303
+    auto.measured(cost=10.4, durable=10.4)  # within `change` (10 %): same interval, no new record
+    assert auto.schedule(360, step_time=2.0) == 303  # the median of 10 and 10.4: 10.2
+    auto.measured(cost=40.0, durable=40.0)  # one slow save (a busy disk): the median does not follow it
+    assert auto.schedule(663, step_time=2.0) == 306  # the median of 10, 10.4, 40: 10.4
+    auto.measured(cost=40.0, durable=40.0)  # slower for good: it moves within a few saves
+    assert auto.schedule(969, step_time=2.0) == 476  # the median of 10, 10.4, 40, 40: 25.2
     auto.measured(cost=40.0, durable=40.0)  # 4x the cost: twice the interval
-    assert auto.schedule(663, step_time=2.0) == 600
+    assert auto.schedule(1445, step_time=2.0) == 600
     records = [e for e in read_events(log.path) if e["event"] == "interval"]
-    assert [r["steps"] for r in records] == [60, 300, 600]
+    assert [r["steps"] for r in records] == [60, 300, 476, 600]
     last = records[-1]
     assert last["cost"] == 40.0 and last["mtbf"] == 18000.0 and last["mtbf_source"] == "config"
     assert last["interval_seconds"] == pytest.approx(1200.0) and last["bound"] == "formula"
-    assert last["step_time"] == 2.0 and last["previous_steps"] == 303
+    assert last["step_time"] == 2.0 and last["previous_steps"] == 476
     assert young_daly(40.0, 18000.0) == pytest.approx(1200.0)
+
+
+def test_history_takes_the_median_of_the_newest_costs_and_exit_saves_where_there_is_nothing_else() -> None:
+    """An earlier run's saves: a periodic one every 10 s, of which the newest happened to be quick
+    (0.05 s) and one slow (0.9 s): the cost is their median, not the newest. Runs that never
+    reached a periodic checkpoint (killed before ``first_after``, saved only on the way out): the
+    times until durable of their exit saves stand for the cost, so the next run does not wait
+    ``first_after`` once more (and again, each time it is killed before it)."""
+    def events(stalls, exit_seconds):
+        out = [{"event": "start", "rank": 0, "time": 0.0, "pid": 1}]
+        for i, stall in enumerate(stalls):
+            out.append({"event": "save", "rank": 0, "time": 10.0 * i + 1, "step": i, "seconds": stall,
+                        "stall": stall, "reason": "periodic"})
+        for i, seconds in enumerate(exit_seconds):
+            out.append({"event": "save", "rank": 0, "time": 100.0 + i, "step": 100 + i, "seconds": seconds,
+                        "stall": seconds, "exiting": True, "reason": "SIGTERM"})
+        return out
+
+    periodic = read_history(events([0.2, 0.25, 0.9, 0.2, 0.22, 0.05], []))
+    assert periodic.cost == pytest.approx(0.22) and len(periodic.costs) == 5
+    exits_only = read_history(events([], [0.6, 0.4, 0.5]))
+    assert exits_only.cost == pytest.approx(0.5) and exits_only.durable == pytest.approx(0.5)
+    auto = AutoInterval(IntervalConfig(mtbf=3600.0, first_after=300.0), events=None, history=exits_only)
+    assert auto.schedule(0, step_time=0.1) == round(young_daly(0.5, 3600.0) / 0.1)  # 60 s, not 300 s
 
 
 class FakeClock:
@@ -123,20 +152,22 @@ def test_auto_in_a_run_follows_the_measured_cost(tmp_path: Path) -> None:
     cfg = ftkit.Config(save_every="auto", save_at_end=False, budget=ftkit.BudgetConfig(enabled=False),
                        interval=IntervalConfig(mtbf=3600.0, first_after=50.0, max_interval=1000.0))
     with ftkit.FaultTolerance(tmp_path, state={"s": state}, config=cfg, clock=clock, wallclock=wall) as ft:
-        for step in ft.range(400):
+        for step in ft.range(800):
             clock.t += 1.0  # one step: 1 s of fake time
             if step + 1 == 200:
                 state.cost = 8.0  # checkpoints become 4x as expensive
     records = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "interval"]
     # first: 50 s before any checkpoint was measured (1 s steps); then sqrt(2 * 2 * 3600) = 120 s;
-    # after the cost went to 8 s: sqrt(2 * 8 * 3600) = 240 s
-    assert [r["steps"] for r in records] == [50, 120, 240]
-    assert records[1]["cost"] == pytest.approx(2.0) and records[2]["cost"] == pytest.approx(8.0)
-    assert records[2]["mtbf_source"] == "config" and records[2]["bound"] == "formula"
+    # once the cost went to 8 s: the median of the saves' costs follows it, from the second
+    # save on (2, 2, 8, 8: 5 s, sqrt(2 * 5 * 3600) = 190 s), to sqrt(2 * 8 * 3600) = 240 s
+    assert [r["steps"] for r in records] == [50, 120, 190, 240]
+    assert [r["cost"] for r in records[1:]] == pytest.approx([2.0, 5.0, 8.0])
+    assert records[3]["mtbf_source"] == "config" and records[3]["bound"] == "formula"
     saves = [e["step"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "save"]
-    assert saves == [51, 171, 291]  # the first step (1) + 50, every 120 steps; 291 + 240 is past 400
-    # the first save after the cost change (at 291) measured 8 s and planned 240 steps
-    assert records[2]["step"] == 291
+    # the first step (1) + 50, every 120 steps (the one at 291, the first at 8 s, moves nothing),
+    # then 190, then 240 (841 is past 800)
+    assert saves == [51, 171, 291, 411, 601]
+    assert [r["step"] for r in records[2:]] == [411, 601]
 
 
 def test_auto_with_saves_written_outside_ftkit(tmp_path: Path) -> None:

@@ -238,6 +238,26 @@ def test_report_in_a_narrow_terminal_cuts_nothing_short(tmp_path: Path) -> None:
     assert len(rows) == 1 and clock[1] in rows[0] and rows[0].startswith("\u2502 1 ")  # one table row
 
 
+def test_report_lists_the_newest_runs_and_counts_them_all(tmp_path: Path) -> None:
+    """A job dir of many runs (a long job requeued for weeks): the report lists the newest
+    ``--runs`` (a screenful, not thousands of lines), says which are not listed, and its totals
+    are every run's; ``--runs 0`` lists them all, ``--json`` always does."""
+    jobdir = tmp_path / "old"
+    jobdir.mkdir()
+    shutil.copy(DATA / "previous-release-events.jsonl", jobdir / "events.jsonl")
+    full = ftkit_cli("report", str(jobdir), "--runs", "0").stdout
+    newest = ftkit_cli("report", str(jobdir), "--runs", "1").stdout
+    assert "not listed" not in full and all(f"\u2502 {i} " in full for i in range(3))
+    assert "runs 0-1 not listed: the newest 1 are (--runs 0 lists every run" in newest
+    assert "\u2502 2 " in newest and "\u2502 0 " not in newest and "\u2502 1 " not in newest
+    totals = [line for line in full.splitlines() if "wall time of all runs" in line or "goodput" in line]
+    assert totals and all(line in newest for line in totals)  # the totals count every run either way
+    assert len(json.loads(ftkit_cli("report", str(jobdir), "--json", "--runs", "1").stdout)["runs"]) == 3
+    wrong = subprocess.run([sys.executable, "-m", "ftkit", "report", str(jobdir), "--runs", "-1"],
+                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert wrong.returncode == 2 and "--runs" in wrong.stderr
+
+
 def test_report_plot_draws_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     jobdir = tmp_path / "old"

@@ -44,6 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="mean time between failures for the interval advice (default: from the job's history)")
     p.add_argument("--max-interval", type=float, default=None, metavar="SECONDS",
                    help="upper bound of the recommended interval (default: interval.max_interval, 3600)")
+    p.add_argument("--runs", type=int, default=40, metavar="N",
+                   help="list only the newest N runs (default 40; 0: all); the totals are always every run's, "
+                        "and --json lists every run")
     p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
                    help="draw the timeline, one lane per run (needs matplotlib: pip install 'ftkit[plot]')")
     p.set_defaults(func=_report)
@@ -162,6 +165,8 @@ def _clock(t: float | None) -> str:
 
 
 def _report(args: argparse.Namespace) -> int:
+    if args.runs < 0:
+        raise ConfigError(f"--runs: a number of runs >= 0 (0: all), got {args.runs}")
     report = collect_report(args.jobdir, gpus_per_node=args.gpus_per_node, mtbf=args.mtbf,
                             max_interval=args.max_interval)
     if args.plot is not None:
@@ -178,7 +183,12 @@ def _report(args: argparse.Namespace) -> int:
     console = Console(soft_wrap=True)
     console.print(f"[bold]{report['jobdir']}[/]: {len(report['runs'])} run{'' if len(report['runs']) == 1 else 's'}, wall time {_dur(report['wall'])}"
                   f", between runs {_dur(report['between_runs'])}")
-    _print_runs(console, report["runs"])
+    runs = report["runs"]
+    if args.runs and len(runs) > args.runs:
+        console.print(f"runs {runs[0]['run']}-{runs[-args.runs - 1]['run']} not listed: the newest {args.runs} "
+                      "are (--runs 0 lists every run; the totals below count them all)")
+        runs = runs[-args.runs:]
+    _print_runs(console, runs)
     wall = report["wall"] or 1.0
     table = Table("where the time went", "time", "share", title="time of all runs")
     for key, label in _LABELS.items():

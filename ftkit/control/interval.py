@@ -20,14 +20,18 @@ the signal handlers save before those. With no failure seen yet the MTBF is
 ``max(assumed_mtbf, observed time)``.
 
 :class:`AutoInterval` applies the rule in a run: after the first step and after every save it
-re-evaluates from the latest measurements and writes an ``interval`` event with every input
+re-evaluates from the latest measurements (the median of the newest :data:`WINDOW` costs, earlier
+runs' included; a job dir whose runs never reached a periodic checkpoint, from their exit saves'
+times until durable) and writes an ``interval`` event with every input
 whenever the interval moves by more than ``change``.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,7 +39,8 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["AutoInterval", "IntervalConfig", "IntervalPlan", "choose_interval", "expected_waste", "young_daly"]
+__all__ = ["WINDOW", "AutoInterval", "IntervalConfig", "IntervalPlan", "choose_interval", "expected_waste",
+           "young_daly"]
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +129,16 @@ def choose_interval(
                         cost=cost, durable=durable, mtbf=mtbf, mtbf_source=mtbf_source)
 
 
+WINDOW = 5
+"""How many of the newest measurements the rule takes the median of: one save slowed by a busy
+disk or a neighbour (or one that happened to be quick) does not move the interval; a cost that
+changed for good does within a few saves."""
+
+
+def _median(samples: Sequence[float]) -> float | None:
+    return statistics.median(samples[-WINDOW:]) if samples else None
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class History:
     """What earlier runs of the job dir tell the rule."""
@@ -131,10 +146,22 @@ class History:
     failures: int = 0
     observed: float = 0.0
     """Wall time of the earlier runs, seconds."""
-    cost: float | None = None
-    """The newest measured in-loop checkpoint cost (stall), seconds."""
-    durable: float | None = None
-    """The newest measured time until durable, seconds."""
+    costs: tuple[float, ...] = ()
+    """The newest measured in-loop checkpoint costs (stalls), seconds, oldest first; where the
+    job dir has none (its runs ended before their first periodic checkpoint: only their exit
+    saves were measured), the newest times until durable, which a stall never exceeds."""
+    durables: tuple[float, ...] = ()
+    """The newest measured times until durable, seconds, oldest first."""
+
+    @property
+    def cost(self) -> float | None:
+        """The median of the newest :data:`WINDOW` costs."""
+        return _median(self.costs)
+
+    @property
+    def durable(self) -> float | None:
+        """The median of the newest :data:`WINDOW` times until durable."""
+        return _median(self.durables)
 
     def mtbf(self, config: IntervalConfig) -> tuple[float, str]:
         if config.mtbf is not None:
@@ -154,8 +181,8 @@ def read_history(events: Sequence[dict[str, Any]], *, alive: Callable[[Any, Any]
     return History(
         failures=sum(1 for r in runs if r.unplanned),
         observed=sum(r.wall for r in runs if r.wall is not None),
-        cost=costs[-1] if costs else None,
-        durable=durable[-1] if durable else None,
+        costs=tuple((costs or durable)[-WINDOW:]),
+        durables=tuple(durable[-WINDOW:]),
     )
 
 
@@ -178,25 +205,36 @@ class AutoInterval:
         self.max_in_flight = max_in_flight
         self._agree = agree
         self._clock = clock
-        self.cost = history.cost
-        self.durable = history.durable
+        self._costs = collections.deque(history.costs, maxlen=WINDOW)
+        self._durables = collections.deque(history.durables, maxlen=WINDOW)
         self.next_step: float = math.inf
         self.steps: int | None = None
         self.plan: IntervalPlan | None = None
 
     def measured(self, *, cost: float, durable: float | None) -> None:
         """A checkpoint stalled the loop ``cost`` s and (when known) took ``durable`` s to persist."""
-        self.cost = cost
+        self._costs.append(cost)
         if durable is not None:
-            self.durable = durable
+            self._durables.append(durable)
+
+    @property
+    def cost(self) -> float | None:
+        """The checkpoint cost the rule uses: the median of the newest :data:`WINDOW` measured."""
+        return _median(list(self._costs))
+
+    @property
+    def durable(self) -> float | None:
+        """The time until durable the rule uses: the median of the newest :data:`WINDOW` measured."""
+        return _median(list(self._durables))
 
     def evaluate(self) -> IntervalPlan | None:
         """The rule on the current inputs; None while no checkpoint cost is known."""
-        if self.cost is None:
+        cost = self.cost
+        if cost is None:
             return None
         mtbf, source = self.history.mtbf(self.config)
-        durable = self.durable if self.durable is not None else self.cost
-        return choose_interval(cost=self.cost, mtbf=mtbf, durable=durable, max_in_flight=self.max_in_flight,
+        durable = self.durable if self.durable is not None else cost
+        return choose_interval(cost=cost, mtbf=mtbf, durable=durable, max_in_flight=self.max_in_flight,
                                max_interval=self.config.max_interval, mtbf_source=source)
 
     def schedule(self, step: int, *, step_time: float) -> int:
