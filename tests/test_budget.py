@@ -43,9 +43,20 @@ def test_fires_exactly_when_time_left_drops_below_step_save_margin():
     assert b.fired
     req = b.request()
     assert (req.action, req.source, req.requeue) == (Action.SAVE_EXIT, Source.TIME_BUDGET, True)
-    assert req.reason == "time budget: 41.9 s left < step 2.0 s + save 10.0 s + margin 30 s"
+    assert req.reason == "time budget: 41.9 s left < step 2 s + save 10 s + margin 30 s"
     clock.now = END - 1
     assert not b.due()  # one-shot
+
+
+def test_a_short_step_is_said_as_measured_not_rounded_to_nothing():
+    """Steps of 0.04 s, saves of 0.3 s: the reason gives them as they are (not "step 0.0 s"), so
+    its sum is the one compared with the time left."""
+    clock = Clock(END - 3600)
+    b = budget(clock, margin=30, save_estimate=0.3)
+    b.record_step(0.0412)
+    clock.now = END - 30.3
+    assert b.due()
+    assert b.request().reason == "time budget: 30.3 s left < step 0.0412 s + save 0.3 s + margin 30 s"
 
 
 def test_steady_state_check_is_one_clock_read():

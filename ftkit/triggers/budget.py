@@ -346,8 +346,9 @@ class TimeBudget:
             Action.SAVE_EXIT,
             Source.TIME_BUDGET,
             reason=(
-                f"time budget: {left_text} < step {self.step_estimate:.1f} s"
-                f" + save {self.save_estimate:.1f} s + margin {self.config.margin:g} s"
+                # three significant digits: a 0.04 s step is not "0.0 s", the sum stays the one compared
+                f"time budget: {left_text} < step {self.step_estimate:.3g} s"
+                f" + save {self.save_estimate:.3g} s + margin {self.config.margin:g} s"
             ),
             requeue=True,
         )
