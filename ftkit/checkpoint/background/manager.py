@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import contextlib
 import logging
 import os
 import threading
@@ -93,8 +94,10 @@ class AsyncCheckpointer(CheckpointManager):
         self._distributed = world_size > 1
         node = None
         persister: Any = self.checkpointer
+        self._run_id: str | None = None
         if self._distributed:
             run_id, hosts = self._agree()
+            self._run_id = run_id
             if self.async_config.crash_safe:
                 from ..crashsafe.client import NodePlan
 
@@ -110,11 +113,12 @@ class AsyncCheckpointer(CheckpointManager):
         self._in_flight = 0
         self._seq = 0
         self._error: CheckpointError | None = None
+        self._orphaned: list[tuple[int, str]] = []  # (step, why): persists a dead saver took with it
         self._closed = False
         self.last_stall_seconds: float | None = None
         self.last_persist_seconds: float | None = None
         self.last_durable_step: int | None = None
-        copier = Copier()
+        copier = self._copier = Copier()
         if self.async_config.crash_safe:
             from ..crashsafe.client import ShmBackend
 
@@ -158,6 +162,7 @@ class AsyncCheckpointer(CheckpointManager):
     # ------------------------------------------------------------------ the loop's calls
     def on_step(self, step: int, state: Mapping[str, Any]) -> bool:
         """Snapshot (and maybe persist) if ``step`` is due; True when a snapshot was taken."""
+        self._replace_lost_saver()
         if self._error is not None:
             self._raise_pending()
         cfg = self.async_config
@@ -174,6 +179,7 @@ class AsyncCheckpointer(CheckpointManager):
     ) -> CheckpointInfo:
         """Start saving ``state`` as ``step``; returns once the snapshot is taken (status ``pending``)."""
         self._check_open()
+        self._replace_lost_saver()
         self._raise_pending()
         # a load of an older step: the later checkpoints go aside here, in the trainer, whichever
         # process persists (the crash-safe saver's committer never loaded anything)
@@ -215,6 +221,9 @@ class AsyncCheckpointer(CheckpointManager):
                 problem = self._backend.problem() if self._in_flight else None
                 if problem:
                     self._fail_in_flight(problem)
+            for step, problem in self._orphaned:  # awaited, they never became durable
+                self._record(step, problem)
+            self._orphaned.clear()
         if self._distributed:
             self._agree_on_outcome()
         self._raise_pending(final=True)
@@ -298,6 +307,48 @@ class AsyncCheckpointer(CheckpointManager):
             return None
         return min(free, key=lambda s: (not s.used, s is newest, s.index))
 
+    def _replace_lost_saver(self) -> None:
+        """``crash_safe``: the node's saver process died (the OOM killer, a kill -9) while this
+        trainer lives on. Its snapshots can no longer outlive the trainer, but they must still
+        be saved: from here on this run persists them itself, on a thread, with the same commit
+        protocol (the other ranks' savers commit with it as before), in host buffers of its own
+        (the shared-memory ones are unlinked). Said once, as an error and a ``saver-lost``
+        event; a save that was in flight when the saver died fails as before (``_raise_pending``).
+        The next run starts a saver again."""
+        backend = self._backend
+        lost = getattr(backend, "_lost", None)  # ShmBackend's: set once its saver is gone
+        if not lost or self._closed:
+            return
+        with self._cond:
+            if self._in_flight:  # the reader thread hands them over (_done(-1)) right after _lost
+                self._cond.wait_for(lambda: not self._in_flight, timeout=self._backend._timeout)
+            if self._in_flight:
+                return
+            orphaned, self._orphaned = self._orphaned, []
+            for slot in self._slots:  # the shared-memory buffers go with the old backend
+                slot.seq, slot.step, slot.used, slot.durable, slot.busy = -1, -1, False, False, False
+            self._newest = None
+        rank = self.checkpointer.rank
+        gone = "".join(f"; the save of step {step} it was persisting is lost" for step, _ in orphaned)
+        log.error("rank %d: %s%s; crash-safe saves are off for the rest of this run: its checkpoints are persisted "
+                  "from a thread of the trainer (a crash of the trainer now loses the snapshot being written); "
+                  "the next run starts a saver again", rank, lost, gone)
+        events = self.checkpointer.events
+        if events is not None:
+            events.emit("saver-lost", rank=rank, error=str(lost), saver_pid=backend.saver_pid,
+                        lost_steps=[step for step, _ in orphaned])
+            for step, problem in orphaned:
+                events.emit("save-failed", rank=rank, step=step, error=f"the checkpoint saver died: {problem}",
+                            reason="background save")
+        with contextlib.suppress(Exception):  # already gone: close unlinks what is left of it
+            backend.close()
+        from .commit import RankCommit
+        from .thread import ThreadBackend
+
+        persister: Any = self.checkpointer if self._run_id is None else RankCommit(
+            self.checkpointer, run_id=self._run_id, timeout=self.async_config.commit_timeout)
+        self._backend = ThreadBackend(persister, len(self._slots), self._done, self._copier)
+
     def _submit(self, slot: _Slot, *, pin: bool, reason: str | None) -> None:
         limit = self.async_config.max_in_flight
         with self._cond:
@@ -328,7 +379,16 @@ class AsyncCheckpointer(CheckpointManager):
     def _done(self, seq: int, step: int, error: BaseException | str | None, seconds: float) -> None:
         with self._cond:
             if seq < 0:  # the backend is gone: everything in flight failed
-                self._fail_in_flight(str(error))
+                if self.async_config.crash_safe and not self._closed:
+                    # the saver died, the trainer lives: said, and replaced, by the loop's next
+                    # call (_replace_lost_saver); only wait() raises it (an exit's save is lost)
+                    self._orphaned += [(s.step, str(error)) for s in self._slots if s.in_flight]
+                    for s in self._slots:
+                        s.in_flight = False
+                    self._in_flight = 0
+                    self._cond.notify_all()
+                else:
+                    self._fail_in_flight(str(error))
                 return
             slot = next((s for s in self._slots if s.seq == seq and s.in_flight), None)
             if slot is not None:

@@ -227,7 +227,7 @@ class ShmBackend:
             what = f"the node's checkpoint saver process (started by rank {self.node.ranks[0]}) closed its connection"
         if not self._closing:
             self._lost = what
-            log.error("%s; snapshots are no longer persisted", self._lost)
+            log.error("%s; the snapshots in flight are lost (the trainer persists the next ones itself)", self._lost)
             self._done(-1, -1, self._lost, 0.0)  # fails whatever is in flight
 
     # -------------------------------------------------------------- shutdown
@@ -237,9 +237,10 @@ class ShmBackend:
         try:
             with contextlib.suppress(CheckpointError):
                 self._send(op="close")
-            if self.proc is None:
+            if self.proc is None and self._lost is None:
                 # another rank: the saver keeps our segments until it exits (a rank that dies
-                # after we closed still gets its rescue, with our snapshots)
+                # after we closed still gets its rescue, with our snapshots); a saver gone
+                # says nothing more
                 self._said_closed.wait(timeout=self._timeout)
             with contextlib.suppress(OSError):
                 self._to_saver.close()
