@@ -610,3 +610,18 @@ def test_a_crash_after_an_earlier_runs_clean_exit_is_a_crash(jobdir, job_id) -> 
     env = SlurmEnv(job_id=job_id, restart_count=0)
     d = run_decide(jobdir, env, FakeScontrol(RUNNING) if job_id else Missing(), rc=137, step=20)
     assert (d.requeue, d.cause) == (True, "crash"), d
+
+
+def test_a_trap_request_left_by_another_run_decides_nothing_and_is_spent(jobdir, env) -> None:
+    """A ``requeue`` request written for job 100's restart 0 by its trap (``--this-run``) is still
+    there when restart 1 crashes: it does not make this run "requested (SIGUSR1)", nor would a
+    stale stop stop it; the crash decides, and the files are spent with it."""
+    from ftkit.triggers.switches import write_request
+
+    old = write_request(jobdir, "requeue", reason="SIGUSR1 from SLURM", run=("100", 0))
+    stop = write_request(jobdir, "stop", reason="an old trap's", run=("99", 0))
+    mine = SlurmEnv(job_id="100", restart_count=1)
+    trainer_run(jobdir, restart=1)  # killed: no exit event
+    d = run_decide(jobdir, mine, FakeScontrol(RUNNING), rc=137, step=20)
+    assert (d.requeue, d.cause) == (True, "crash"), d
+    assert set(d.spent_requests) == {str(old), str(stop)}

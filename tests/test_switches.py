@@ -343,3 +343,68 @@ def test_auto_mode_polls_on_a_network_filesystem(jd, tmp_path):
     local.write_text("/dev/vda1 / ext4 rw 0 0\n")
     w = SwitchWatcher(jd, RequestBox(), WatchConfig(), mounts=local)
     assert (w.observer_kind, w.network_fs) == ("native", None)
+
+
+# -- a signal trap's request is its own run's -----------------------------------------------
+
+def _slurm_env(job: str, restart: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return {**env, "PYTHONPATH": str(REPO), "SLURM_JOB_ID": job, "SLURM_RESTART_COUNT": str(restart)}
+
+
+def test_ftkit_request_this_run_stamps_the_slurm_job_and_needs_one(jd):
+    """``ftkit request --this-run`` (the sbatch templates' traps) writes the SLURM job id and
+    restart count into the request; outside a SLURM job it refuses, saying what to do."""
+    out = subprocess.run([sys.executable, "-m", "ftkit", "request", "save-exit", str(jd.root), "--this-run",
+                          "--reason", "SIGTERM from SLURM"], env=_slurm_env("1414", 2), capture_output=True,
+                         text=True, timeout=60, check=True)
+    data = json.loads(Path(out.stdout.strip()).read_text())
+    assert (data["action"], data["job_id"], data["restart_count"]) == ("save-exit", "1414", 2)
+    bare = {k: v for k, v in _slurm_env("1", 0).items() if not k.startswith("SLURM_")}
+    refused = subprocess.run([sys.executable, "-m", "ftkit", "request", "stop", str(jd.root), "--this-run"],
+                             env=bare, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "SLURM_JOB_ID is not set" in refused.stderr
+    assert len(list(jd.requests.glob("*.json"))) == 1
+
+
+@pytest.mark.parametrize("mode", OBSERVERS)
+def test_a_trap_request_of_another_run_is_removed_not_acted_on(jd, mode, caplog):
+    """Job 1414's trap asked to save and exit, then its batch script was SIGKILLed before
+    ``ftkit requeue`` removed the file. The next job (1421) on the job dir, and the same job's
+    next run after a requeue (restart 1), remove it with a warning and act on nothing; this
+    run's own trap request and a person's request (no job) are acted on."""
+    own = write_request(jd, "save-exit", reason="this run's trap", run=("1414", 1))
+    other_job = write_request(jd, "save-exit", reason="job 1413's trap", run=("1413", 1))
+    earlier = write_request(jd, "requeue", reason="restart 0's trap", run=("1414", 0))
+    person = write_request(jd, "save", reason="by hand")
+    box = RequestBox()
+    w = SwitchWatcher(jd, box, WatchConfig(mode=mode, poll_interval=POLL), run=("1414", 1))
+    with caplog.at_level(logging.WARNING, logger="ftkit.triggers.files"), w:
+        got = collect(box, 2) + settle(box)
+    assert sorted(r.reason.split(": ", 1)[1].split(" (")[0] for r in got) == ["by hand", "this run's trap"]
+    assert own.exists() and person.exists() and not other_job.exists() and not earlier.exists()
+    said = [r.getMessage() for r in caplog.records if "ignoring and removing request file" in r.getMessage()]
+    assert len(said) == 2 and any("written for SLURM job 1413 (restart 1)" in m for m in said)
+    assert any("not for this run (job 1414, restart 1)" in m and "job 1414 (restart 0)" in m for m in said)
+
+
+def test_a_run_after_a_killed_batch_script_trains_and_status_names_the_left_over(tmp_path):
+    """The user trial's case end to end: a request left by the killed job 1414's trap, then job
+    1421 runs on the job dir. ``ftkit status`` first says the request is left over (not
+    pending); the run trains all its steps (it did not exit at step 0) and removes it."""
+    job = tmp_path / "job"
+    write_request(JobDir.of(job).ensure(), "save-exit", reason="SIGTERM from SLURM", run=("1414", 0))
+    status = subprocess.run([sys.executable, "-m", "ftkit", "status", str(job)], env=_slurm_env("1421", 0),
+                            capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "left-over request save-exit" in status and "written for SLURM job 1414" in status, status
+    code = ("import ftkit, torch, sys\n"
+            "m = torch.nn.Linear(2, 2)\n"
+            "cfg = ftkit.Config(budget=ftkit.BudgetConfig(enabled=False))  # job 1421 is not a real job\n"
+            "with ftkit.FaultTolerance(sys.argv[1], state={'model': m}, config=cfg) as ft:\n"
+            "    n = sum(1 for _ in ft.range(30))\n"
+            "print('steps', n, 'completed', ft.completed)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(job)], env=_slurm_env("1421", 0), capture_output=True,
+                         text=True, timeout=120, check=True)
+    assert "steps 30 completed True" in out.stdout, out.stdout + out.stderr
+    assert "ignoring and removing request file" in out.stderr
+    assert list((job / "requests").glob("*.json")) == []

@@ -97,6 +97,14 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
     lease = lease_status(job.root, now=now)
     if running and lease is not None and lease["state"] in ("dead", "released"):
         running = False  # its process is gone without an exit event (kill -9, a crash)
+    for r in requests:  # a signal trap's request (--this-run) of a run that is over: never acted on
+        if r.get("job_id") is not None and "error" not in r:
+            from ..triggers.switches import stale_request
+
+            r["stale"] = (stale_request(r, last_start.get("job_id"), int(last_start.get("restart_count") or 0))
+                          if running and last_start is not None else
+                          f"written for SLURM job {r['job_id']} (restart {r.get('restart_count', 0)}), whose run "
+                          "is over")
     saves = [e for e in log if e.get("event") == "save" and "seconds" in e]
     save_estimate = max((float(e["seconds"]) for e in saves[-5:]), default=None)
 
@@ -242,6 +250,9 @@ def _status(args: argparse.Namespace) -> int:
         if "error" in r:
             pending.append(f"[red]broken request file[/] {name}: {escape(r['error'])}; the job ignores "
                            f"it: delete it, or write requests with `ftkit request`")
+        elif r.get("stale"):
+            pending.append(f"[yellow]left-over request[/] {escape(r['action'])} ({name}): {escape(r['stale'])}; "
+                           "the next run removes it without acting on it")
         else:
             pending.append(f"request {escape(r['action'])}" + (f": {escape(str(r['reason']))}" if r.get("reason") else "")
                            + f" ({name})")

@@ -45,6 +45,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("jobdir", type=Path, help=_JOBDIR_HELP + "; so does one with other files but no ftkit "
                    "file yet (the training may write there before ftkit starts): a note on stderr says so")
     p.add_argument("--reason", default="", help="recorded in the events log")
+    p.add_argument("--this-run", action="store_true",
+                   help="for this SLURM job's current run only (SLURM_JOB_ID, SLURM_RESTART_COUNT): a later run "
+                        "discards it (the sbatch templates' signal traps: a request of a run whose batch script "
+                        "was killed must not stop the next one)")
     p.add_argument("--force", action="store_true", help=_FORCE_HELP)
     p.set_defaults(func=_request)
 
@@ -114,7 +118,16 @@ def _request(args: argparse.Namespace) -> int:
     from ..triggers.switches import write_request
 
     where = _jobdir(args)
-    path = write_request(where.path, args.action, reason=args.reason)
+    run = None
+    if args.this_run:
+        from ..slurm.env import SlurmEnv
+
+        slurm = SlurmEnv.from_env()
+        if slurm.job_id is None:
+            raise ConfigError("ftkit request --this-run: SLURM_JOB_ID is not set (not in a SLURM job); "
+                              "leave --this-run out to write a request for whichever run reads it")
+        run = (slurm.job_id, slurm.restart_count)
+    path = write_request(where.path, args.action, reason=args.reason, run=run)
     print(path)
     if not JobDir.of(where.path).events.exists():  # stdout: the path alone (scripts read it)
         print(f"note: {_not_started(where, 'acts on it at its start')}", file=sys.stderr)

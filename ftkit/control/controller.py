@@ -206,6 +206,7 @@ class FaultTolerance:
         from ..slurm.env import SlurmEnv
 
         slurm = SlurmEnv.from_env()
+        self._watcher.run = (slurm.job_id, slurm.restart_count)  # another run's trap request is discarded
         if self.world_size > 1:
             self._collective = Collective(self.config.agreement, self._group)
         killed = switch_is_set(self.job, "kill")

@@ -252,8 +252,13 @@ def _reasons(facts: RunFacts) -> str:
 
 
 def _asked(facts: RunFacts, action: str) -> list[Mapping[str, Any]]:
-    """The leftover request files that ask for ``action``."""
-    return [d for _, d in facts.requests if str(d.get("action", "")).lower() == action]
+    """The leftover request files of this run that ask for ``action`` (not those written for
+    another run by its signal trap: ``ftkit request --this-run``; spent all the same)."""
+    from ..triggers.switches import stale_request
+
+    env = facts.env
+    return [d for _, d in facts.requests if str(d.get("action", "")).lower() == action
+            and stale_request(d, env.job_id, env.restart_count) is None]
 
 
 def _stopped_for_good(facts: RunFacts, verdict: _Verdict) -> RequeueDecision | None:

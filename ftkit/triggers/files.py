@@ -135,9 +135,13 @@ class SwitchWatcher:
         config: WatchConfig | None = None,
         *,
         mounts: str | os.PathLike[str] = "/proc/self/mounts",
+        run: tuple[str | None, int] | None = None,
     ) -> None:
         self.job_dir = job_dir
         self.box = box
+        self.run = run
+        """``(SLURM job id, restart count)`` of this run: a request written for another run
+        (``ftkit request --this-run`` in a signal trap) is discarded, not acted on. None: all act."""
         self.config = config if config is not None else WatchConfig()
         self.network_fs: str | None = None
         self._why: str
@@ -324,6 +328,17 @@ class SwitchWatcher:
             return None
         except (OSError, ValueError) as exc:  # ConfigError and JSONDecodeError are ValueErrors
             self._warn_once(("parse", path, ident), "ignoring request file %s: %s", path, exc)
+            return None
+        stale = None if self.run is None else found.stale_for(*self.run)
+        if stale is not None:
+            self._warn_once(("stale", path, ident), "ignoring and removing request file %s (%s): %s", path,
+                            found.describe(), stale)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:  # another rank's watcher was first
+                pass
+            except OSError as exc:
+                self._warn_once(("unlink", path), "cannot remove %s: %s", path, exc)
             return None
         return Request(found.action, Source.REQUEST, reason=f"{found.describe()} ({path})",
                        requeue=found.requeue, origin=path)

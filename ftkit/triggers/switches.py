@@ -44,6 +44,7 @@ __all__ = [
     "remove_kill_switch",
     "remove_requests",
     "request_files",
+    "stale_request",
     "switch_is_set",
     "touch_switch",
     "touched_at",
@@ -162,12 +163,16 @@ def _cannot_write(jd: JobDir, exc: OSError) -> str | None:
 
 
 def write_request(
-    job_dir: JobDir | str | os.PathLike[str], action: str, *, reason: str = ""
+    job_dir: JobDir | str | os.PathLike[str], action: str, *, reason: str = "",
+    run: tuple[str, int] | None = None,
 ) -> Path:
     """Atomically drop a request file into ``JOBDIR/requests/``; returns its path.
 
     ``action`` is one of the names :func:`ftkit.decision.parse_action` accepts. The file
     appears complete or not at all (temp file, fsync, ``os.replace``, fsync the directory).
+    ``run``: ``(SLURM job id, restart count)`` of the one run the request is for (a batch
+    script's signal trap: ``ftkit request --this-run``); a later run discards it
+    (:meth:`RequestFile.stale_for`), as it would act on a signal its own job never got.
     """
     parse_action(action)  # raises ConfigError naming the accepted actions
     name = action.strip().lower().replace("_", "-")
@@ -177,7 +182,9 @@ def write_request(
     host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
     pid = os.getpid()
     final = jd.requests / f"{time.time_ns()}-{host}-{pid}-{name}.json"
-    payload = {"action": name, "reason": reason, "created": time.time(), "pid": pid, "host": host}
+    payload: dict[str, Any] = {"action": name, "reason": reason, "created": time.time(), "pid": pid, "host": host}
+    if run is not None:
+        payload["job_id"], payload["restart_count"] = str(run[0]), int(run[1])
     try:
         jd.requests.mkdir(exist_ok=True)
         atomic_write(final, (json.dumps(payload) + "\n").encode())
@@ -220,6 +227,10 @@ class RequestFile:
     requeue: bool | None
     """As :func:`ftkit.decision.parse_action` maps the action name."""
 
+    def stale_for(self, job_id: str | None, restart_count: int) -> str | None:
+        """:func:`stale_request` of this request for a run of ``job_id`` (``restart_count``)."""
+        return stale_request(self.data, job_id, restart_count)
+
     def describe(self) -> str:
         """``stop requested by HOST:PID: REASON``: what the events log and the job's log say."""
         text = f"{str(self.data['action']).strip().lower()} requested"
@@ -228,6 +239,26 @@ class RequestFile:
         if isinstance(self.data.get("reason"), str) and self.data["reason"]:
             text += f": {self.data['reason']}"
         return text
+
+
+def stale_request(data: Mapping[str, Any], job_id: str | None, restart_count: int) -> str | None:
+    """Why a run of SLURM job ``job_id`` (restart ``restart_count``) must not act on the request
+    ``data``, or None: it was written for another run (``run`` of :func:`write_request`), by a
+    signal trap whose batch script was killed before ``ftkit requeue`` removed it (a ``scancel``
+    whose trainer outlasted SLURM's KillWait). A request without a run is for whichever run
+    reads it (a person's ``ftkit request``)."""
+    owner = data.get("job_id")
+    if owner is None:
+        return None
+    try:
+        restart = int(data.get("restart_count") or 0)
+    except (TypeError, ValueError):
+        restart = -1
+    if str(owner) == str(job_id) and restart == restart_count:
+        return None
+    return (f"written for SLURM job {owner} (restart {restart}) by {data.get('host', '?')}:{data.get('pid', '?')}, "
+            f"not for this run (job {job_id or 'none'}, restart {restart_count}): left over from a run whose batch "
+            "script ended before `ftkit requeue` removed it")
 
 
 def read_request(path: str | os.PathLike[str]) -> RequestFile:
