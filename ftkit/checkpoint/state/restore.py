@@ -259,6 +259,12 @@ def misfit(where: Any, misfits: list[str]) -> str:
     said = {_kind_of(m) for m in misfits}
     kinds = [kind for kind in ("model", "optimizer", "scheduler", "tensor") if kind in said] or ["model"]
     what = kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + " and " + kinds[-1]
+    if kinds == ["tensor"]:
+        return (f"{where} does not fit the live state: {'; '.join(misfits[:3])}{more}. The script's tensor has "
+                "another shape than the one saved: resume with the shape it was saved with (a tensor the script "
+                "grows as training goes is restored by replacement when the script starts it empty, "
+                "torch.empty(0)), or start it anew under another key (checkpoint.allow_missing). Nothing of the "
+                "checkpoint was loaded")
     return (f"{where} does not fit the live state: {'; '.join(misfits[:3])}{more}. The {what} changed since "
             f"this checkpoint was saved: resume with the {what} it was saved with, or start the changed "
             f"{'one' if len(kinds) == 1 else 'ones'} in a new job dir (or with checkpoint.resume='never'). "
