@@ -40,11 +40,11 @@ def test_a_value_no_save_could_write_is_refused_before_the_first_step(tmp_path, 
         odd = Position()
     model = torch.nn.Linear(2, 2)
     trained = []
-    with pytest.raises(ConfigError, match=r"cannot checkpoint state\['extra'\]\['gen'\]: a .* is neither") as err:
-        with ftkit.FaultTolerance(tmp_path / "job", state={"model": model, "extra": {"gen": odd}},
-                                  config=ftkit.Config(save_every=1)) as ft:
-            for step in ft.range(5):
-                trained.append(step)
+    with pytest.raises(ConfigError, match=r"cannot checkpoint state\['extra'\]\['gen'\]: a .* is neither") as err, \
+            ftkit.FaultTolerance(tmp_path / "job", state={"model": model, "extra": {"gen": odd}},
+                                 config=ftkit.Config(save_every=1)) as ft:
+        for step in ft.range(5):
+            trained.append(step)
     assert trained == []
     assert ("get_state()" in str(err.value)) == (value == "torch-generator")
     assert not list((tmp_path / "job" / "checkpoints").glob("step-*"))
@@ -58,11 +58,11 @@ def test_a_save_of_a_value_that_cannot_be_written_raises_at_once_with_its_event(
 
     state = {"model": torch.nn.Linear(2, 2)}
     steps = []
-    with pytest.raises(ConfigError, match=r"cannot checkpoint state\['late'\]"):
-        with ftkit.FaultTolerance(tmp_path / "job", state=state, config=ftkit.Config(save_every=3)) as ft:
-            for step in ft.range(10):
-                steps.append(step)
-                state["late"] = torch.Generator()
+    with pytest.raises(ConfigError, match=r"cannot checkpoint state\['late'\]"), \
+            ftkit.FaultTolerance(tmp_path / "job", state=state, config=ftkit.Config(save_every=3)) as ft:
+        for step in ft.range(10):
+            steps.append(step)
+            state["late"] = torch.Generator()
     assert steps == [0, 1, 2]
     failed = [e for e in read_events(tmp_path / "job" / "events.jsonl") if e["event"] == "save-failed"]
     assert [e["step"] for e in failed] == [3] and "ConfigError: cannot checkpoint" in failed[0]["error"]
@@ -80,7 +80,7 @@ def test_tensors_in_a_tuple_are_restored_into_the_scripts_own(tmp_path):
     """``state['ema'] = (ema_w, ema_b)``, updated in place by the loop: a load copies the saved
     values into those very tensors (as it does in a list), so the loop goes on from them; the
     state keeps the same tuple."""
-    model, ema_w, ema_b, stats = _script_state()
+    model, ema_w, ema_b, _ = _script_state()
     ema_w.fill_(0.25)
     ema_b.fill_(-2.0)
     make_mgr(tmp_path).save(7, {"model": model, "ema": (ema_w, ema_b), "n": (1, "a")})
