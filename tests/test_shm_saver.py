@@ -456,3 +456,284 @@ def test_a_full_shm_dir_says_how_much_is_free_and_how_much_is_kept_there(tmp_pat
                 mgr.close()
     finally:
         subprocess.run(["umount", "-l", str(shm)], check=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Leftovers of runs whose trainer and saver were both killed: removed at the next saver's start
+# (crashsafe.find.sweep_leftovers), never while something still uses them.
+
+_SWEEP_TRAINER = """
+import json, logging, os, sys, time
+from pathlib import Path
+import torch
+import ftkit
+
+jobdir, shm, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = torch.nn.Linear(512, 512)
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+config = ftkit.Config(save_every=5, async_save=ftkit.AsyncConfig(crash_safe=True, shm_dir=shm))
+with ftkit.FaultTolerance(jobdir, state={"model": model, "optimizer": opt}, config=config) as ft:
+    for step in ft.range(10):
+        loss = model(torch.randn(4, 512)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if mode == "hang" and step + 1 == 7:
+            ft.checkpoints.wait()
+            print(json.dumps({"pid": os.getpid(), "saver": ft.checkpoints._backend.saver_pid}), flush=True)
+            time.sleep(300)
+sys.exit(0 if ft.completed else 1)
+"""
+
+_HOLDERS = {
+    # mapped with no fd left (Python's mmap keeps a dup of the fd open): only /proc/PID/maps shows it
+    "map": "import ctypes, os, sys, time\n"
+           "libc = ctypes.CDLL(None, use_errno=True)\n"
+           "libc.mmap.restype = ctypes.c_void_p\n"
+           "libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\n"
+           "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+           "assert libc.mmap(None, 4096, 1, 1, fd, 0) != ctypes.c_void_p(-1).value  # PROT_READ, MAP_SHARED\n"
+           "os.close(fd)\n"
+           "print('ready', flush=True)\n"
+           "time.sleep(120)\n",
+    "fd": "import os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); print('ready', flush=True); time.sleep(120)",
+    "listen": "import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(); "
+              "print('ready', flush=True); time.sleep(120)",
+    "nothing": "import time; print('ready', flush=True); time.sleep(120)",
+}
+
+
+@pytest.fixture
+def shm_dir():
+    """A directory of its own on /dev/shm (a tmpfs): other runs' files on the machine stay out of it."""
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="ftkit-test-sweep-", dir=SHM))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def holders():
+    """Start helper processes that hold a file (``_HOLDERS``); all killed at the end."""
+    procs: list[subprocess.Popen] = []
+
+    def start(how: str, path: Path | None = None) -> int:
+        proc = subprocess.Popen([sys.executable, "-c", _HOLDERS[how], str(path)], stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        assert proc.stdout.readline().strip() == "ready"
+        return proc.pid
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    assert not os.path.exists(f"/proc/{proc.pid}")
+    return proc.pid
+
+
+def _fake_segment(directory: Path, leader: int, rank: int = 0, mb: int = 1) -> Path:
+    path = directory / f"ftkit-snap-{leader}-cafe0123-r{rank}-s0-g1"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, mb << 20)
+    finally:
+        os.close(fd)
+    return path
+
+
+def _stale_socket(directory: Path, leader: int) -> Path:
+    """A saver's socket file nobody listens on any more (its saver was killed)."""
+    import socket
+
+    path = directory / f"ftkit-saver-{leader}-cafe0123.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))
+    return path
+
+
+def test_leftovers_of_a_killed_trainer_and_saver_are_removed_when_the_next_run_starts(tmp_path, shm_dir):
+    """A user's trial: a 1-process crash-safe run whose trainer and saver are killed together
+    (kill -9 of the process group, as SLURM does to a hung step) left its segment in /dev/shm
+    until reboot. The rerun on the same job dir removes it when it starts its saver, says so
+    (files, MB, whose), and completes; nothing is left once it is done."""
+    from tests.ckpt_helpers import env
+
+    program = tmp_path / "train.py"
+    program.write_text(_SWEEP_TRAINER)
+    job = tmp_path / "job"
+    proc = subprocess.Popen([sys.executable, str(program), str(job), str(shm_dir), "hang"], env=env(), cwd=REPO,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        assert line, "trainer exited before reporting"
+        info = json.loads(line)
+        os.killpg(proc.pid, signal.SIGKILL)  # trainer and saver at once
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        proc.stdout.close()
+    _wait_gone(info["saver"], 30)
+    left = sorted(p.name for p in shm_dir.glob(f"ftkit-snap-{info['pid']}-*"))
+    assert left, "the kill left nothing in shm_dir (the saver cleaned up?)"
+    size = sum(os.stat(shm_dir / name).st_blocks * 512 for name in left)
+
+    rerun = subprocess.run([sys.executable, str(program), str(job), str(shm_dir), "finish"], env=env(), cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert not list(shm_dir.glob(f"ftkit-snap-{info['pid']}-*")), rerun.stderr
+    said = [m for m in rerun.stderr.splitlines() if "crash-safe: removed" in m]
+    assert len(said) == 1, rerun.stderr
+    assert f"removed {len(left)} file(s), {size / 1e6:.1f} MB, left in {shm_dir}" in said[0], said
+    assert f"leader pid(s) {info['pid']})" in said[0], said
+    assert list(shm_dir.iterdir()) == []  # the rerun's own files went at its clean close
+
+
+def test_a_saver_whose_trainer_died_keeps_its_segments(tmp_path, shm_dir):
+    """The trainer is killed while its saver lives on (stopped here, so that it is still there:
+    it would rescue the trainer's newest snapshot, and maps the segments only to read them).
+    A sweep meanwhile keeps every file of that leader, though the leader pid is dead, and still
+    removes a leftover of a run that is over; once continued, the saver finishes and cleans up."""
+    from ftkit.checkpoint import validate_dir
+    from ftkit.checkpoint.crashsafe.find import sweep_leftovers
+    from tests.ckpt_helpers import env
+
+    program = tmp_path / "train.py"
+    program.write_text(_SWEEP_TRAINER)
+    job = tmp_path / "job"
+    proc = subprocess.Popen([sys.executable, str(program), str(job), str(shm_dir), "hang"], env=env(), cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+    saver = None
+    try:
+        info = json.loads(proc.stdout.readline())
+        saver = info["saver"]
+        os.kill(saver, signal.SIGSTOP)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        # a segment the trainer made but the saver has not opened yet (it opens one only to read it)
+        pending = _fake_segment(shm_dir, proc.pid, rank=0)
+        mine = sorted(p.name for p in shm_dir.glob(f"ftkit-snap-{proc.pid}-*"))
+        assert len(mine) > 1 and not _alive(proc.pid) and _alive(saver)
+        over = _fake_segment(shm_dir, _dead_pid())
+        swept = sweep_leftovers(shm_dir)
+        assert swept.removed == (over.name,) and not over.exists()
+        assert sorted(p.name for p in shm_dir.glob(f"ftkit-snap-{proc.pid}-*")) == mine
+        assert sorted(swept.kept) == mine
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        if saver is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(saver, signal.SIGCONT)
+    _wait_gone(saver, 60)
+    assert [p.name for p in shm_dir.iterdir()] == [pending.name]  # the saver unlinked the ones it knew
+    assert validate_dir(job / "checkpoints" / "step-00000005", checksums=True).valid
+    assert sweep_leftovers(shm_dir).removed == (pending.name,)  # its saver gone too: the run is over
+
+
+@pytest.mark.parametrize("how", ["map", "fd"])
+@pytest.mark.parametrize("check", ["proc", "kernel"])
+def test_a_segment_a_live_process_holds_is_kept_though_its_leader_is_dead(shm_dir, holders, monkeypatch, how, check):
+    """A helper process maps (or only has open) a segment whose leader pid is dead: kept, by
+    the /proc pass (fd, maps) alone and by the kernel's lease check alone (which sees PID
+    namespaces the /proc pass cannot); the unused one of the same dead leader is removed."""
+    from ftkit.checkpoint.crashsafe import find
+
+    if check == "proc":  # the lease check off: it would refuse as well
+        def unlink(path, ino):
+            os.unlink(path)
+            return True
+
+        monkeypatch.setattr(find, "_unlink_unused", unlink)
+    else:  # the /proc pass sees nothing
+        monkeypatch.setattr(find, "_in_use", lambda cands: (set(), set()))
+    leader = _dead_pid()
+    held = _fake_segment(shm_dir, leader, rank=1)
+    unused = _fake_segment(shm_dir, leader, rank=0, mb=2)
+    holder = holders(how, held)
+    fds = [os.readlink(f"/proc/{holder}/fd/{fd}") for fd in os.listdir(f"/proc/{holder}/fd")]
+    assert (str(held) in fds) == (how == "fd"), fds
+    swept = find.sweep_leftovers(shm_dir)
+    assert held.exists() and swept.kept == (held.name,)
+    assert not unused.exists() and swept.removed == (unused.name,)
+    assert swept.nbytes == 2 << 20 and swept.leaders == (leader,)
+
+
+def test_a_socket_a_live_process_listens_on_is_kept_though_its_leader_is_dead(shm_dir, holders):
+    from ftkit.checkpoint.crashsafe.find import sweep_leftovers
+
+    listened = shm_dir / f"ftkit-saver-{_dead_pid()}-cafe0123.sock"
+    holders("listen", listened)
+    stale = _stale_socket(shm_dir, _dead_pid())
+    swept = sweep_leftovers(shm_dir)
+    assert listened.exists() and swept.kept == (listened.name,)
+    assert not stale.exists() and swept.removed == (stale.name,)
+
+
+def test_files_of_a_live_leader_or_another_user_or_not_ours_are_kept(shm_dir, holders):
+    """A leader pid held by a process (the run itself, or any later process reusing the pid:
+    conservative), another user's file, a name that is not ours: kept. Only the files of a
+    dead leader nobody uses go, segments and socket alike."""
+    from ftkit.checkpoint.crashsafe.find import sweep_leftovers
+
+    reused = holders("nothing")  # a live process that opens nothing: the pid of a leader, or reused
+    kept = [_fake_segment(shm_dir, os.getpid()), _fake_segment(shm_dir, reused), _stale_socket(shm_dir, reused)]
+    dead = _dead_pid()
+    foreign = (shm_dir / f"ftkit-snap-{dead}-x-r0-s0-g1.bak", shm_dir / f"ftkit-snap-{dead}", shm_dir / "other")
+    for path in foreign:
+        path.write_bytes(b"x")
+    kept += foreign
+    if os.geteuid() == 0:
+        theirs = _fake_segment(shm_dir, dead, rank=7)
+        os.chown(theirs, 4242, 4242)
+        kept.append(theirs)
+    over = [_fake_segment(shm_dir, dead), _fake_segment(shm_dir, dead, rank=1), _stale_socket(shm_dir, dead)]
+    swept = sweep_leftovers(shm_dir)
+    assert all(p.exists() for p in kept)
+    assert not any(p.exists() for p in over) and sorted(swept.removed) == sorted(p.name for p in over)
+    assert swept.leaders == (dead,) and swept.nbytes == 2 << 20
+
+
+def test_no_pass_over_proc_without_a_candidate_and_no_sweep_off_a_tmpfs(tmp_path, shm_dir, monkeypatch):
+    from ftkit._fs import mount_of
+    from ftkit.checkpoint.crashsafe import find
+
+    def no_pass(cands):
+        raise AssertionError("/proc read without a candidate")
+
+    monkeypatch.setattr(find, "_in_use", no_pass)
+    _fake_segment(shm_dir, os.getpid())
+    assert find.sweep_leftovers(shm_dir) == find.Leftovers()
+    monkeypatch.undo()
+    if mount_of(tmp_path).fstype in ("tmpfs", "ramfs"):
+        pytest.skip("tmp_path is on a tmpfs here")
+    over = _fake_segment(tmp_path, _dead_pid())  # shm_dir on a disk, maybe shared: its pids may be another host's
+    assert find.sweep_leftovers(tmp_path) == find.Leftovers() and over.exists()
+
+
+def test_a_failing_sweep_is_a_warning_not_a_failed_run(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from ftkit.checkpoint.crashsafe import client
+
+    def broken(directory):
+        raise PermissionError(13, "Permission denied", str(directory))
+
+    monkeypatch.setattr(client, "sweep_leftovers", broken)
+    with caplog.at_level(logging.WARNING, logger="ftkit"):
+        client._sweep(tmp_path)
+    assert any("could not look for the leftovers" in m and "Permission denied" in m for m in caplog.messages)

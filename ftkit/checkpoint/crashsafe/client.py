@@ -11,6 +11,8 @@ Clean close: every rank says ``close``; the leader waits for the saver to exit (
 rank of the node), then unlinks whatever segment of the node is left. Trainer killed: the saver
 persists the newest snapshot complete on every rank of the node, unlinks the segments and exits
 (see ``crashsafe.saver``). Segments are named ``ftkit-snap-<leader pid>-<tag>-r<rank>-s<slot>-g<gen>``.
+Trainer and saver both killed: nobody unlinks; the next leader that starts a saver on the node
+removes what such runs left in its ``shm_dir`` (``crashsafe.find.sweep_leftovers``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 from ...errors import CheckpointError, ConfigError
 from ..background.buffers import Copier, layout_of, wait_events
 from .args import SaverArgs
+from .find import sweep_leftovers
 from .shm import PREFIX, Segment
 
 __all__ = ["NodePlan", "ShmBackend"]
@@ -69,6 +72,23 @@ class NodePlan:
 
     def socket_path(self, directory: Path) -> Path:
         return Path(directory) / f"ftkit-saver-{self.leader_pid}-{self.tag}.sock"
+
+
+def _sweep(directory: Path) -> None:
+    """Remove what runs that are over (trainer and saver both killed) left in ``directory``, and
+    say so; never fails the run."""
+    try:
+        swept = sweep_leftovers(directory)
+    except Exception as exc:  # housekeeping: a run must not fail over it
+        log.warning("crash-safe: could not look for the leftovers of ended runs in %s: %s", directory, exc)
+        return
+    if swept.removed:
+        log.warning("crash-safe: removed %d file(s), %.1f MB, left in %s by run(s) that are over (trainer and "
+                    "saver killed; leader pid(s) %s)", len(swept.removed), swept.nbytes / 1e6, directory,
+                    ", ".join(map(str, swept.leaders)))
+    if swept.failed:
+        log.warning("crash-safe: could not remove %d leftover file(s) of ended runs in %s: %s",
+                    len(swept.failed), directory, "; ".join(swept.failed[:5]))
 
 
 def _saver_env() -> dict[str, str]:
@@ -117,6 +137,7 @@ class ShmBackend:
 
     def _start(self, config: Any, async_config: Any, events: Any, sock_path: Path) -> tuple[IO[bytes], IO[bytes]]:
         node = self.node
+        _sweep(self._dir)  # before our saver: nothing of this run exists yet
         path = getattr(events, "path", None)
         args = SaverArgs(
             config=config, trainer_pid=os.getpid(), ranks=node.ranks, world_size=node.world_size,
