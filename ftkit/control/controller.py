@@ -294,6 +294,11 @@ class FaultTolerance:
                 try:
                     self._checkpoints.wait()
                     self._consume_durable()
+                except BaseException as exc:  # a checkpoint that never became durable (a peer gone)
+                    # the exit event says so: a crash, not a completed run (ftkit requeue reads it)
+                    self._crash = self._crash or f"{type(exc).__name__}: {exc}"
+                    self.completed = False
+                    raise
                 finally:
                     self._checkpoints.close()
                     # let go of the manager and its process-group handles (a gloo group
@@ -329,6 +334,12 @@ class FaultTolerance:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         if exc is not None:  # the training loop raised: the exit event says so (a crash)
             self._crash = f"{exc_type.__name__ if exc_type else 'error'}: {exc}"
+            if self._background and self.world_size > 1 and _peer_gone(exc):
+                # a peer is gone: the background saves in flight can never be committed, so
+                # close() must not wait for its part (up to commit_timeout) before it exits
+                from ..checkpoint.background.commit import group_broken
+
+                group_broken(self._crash)
             if isinstance(exc, KeyboardInterrupt) and self.rank == 0 and not self._maps(signal.SIGINT):
                 last = self._last_saved_step
                 log.warning("ftkit: Ctrl-C (KeyboardInterrupt) ended the run at step %s without a save: SIGINT is "
@@ -765,6 +776,22 @@ def _signal_name(n: int) -> str:
         return signal.Signals(n).name
     except ValueError:
         return f"signal {n}"
+
+
+def _peer_gone(error: BaseException) -> bool:
+    """Whether ``error`` (or its cause) is a collective's failure because a peer's connection
+    closed: gloo's "Connection closed by peer", a reset or broken pipe, NCCL's remote error (all
+    RuntimeErrors; a BrokenPipeError of the script's own output is not one)."""
+    seen: BaseException | None = error
+    for _ in range(8):
+        if seen is None:
+            return False
+        text = str(seen).lower()
+        if not isinstance(seen, OSError) and any(s in text for s in (
+                "connection closed by peer", "connection reset by peer", "broken pipe", "remote process exit")):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _event_written(error: BaseException, step: int | None = None) -> bool:

@@ -19,6 +19,13 @@ No collective runs off the main thread; the workers coordinate through files in 
    removal, fsync, ``latest``, retention): the layout of a synchronous multi-rank save, loaded by
    ``Checkpointer.load``.
 
+A rank that is gone is not waited for: every wait of steps 2 and 4 fails within a poll
+(0.1 s) once the process of a rank it waits for, on this node, is gone (``peers``: each rank's
+node and pid, as ``AsyncCheckpointer._agree`` gathered them), or once this process was told that
+its process group is broken (:func:`group_broken`: a collective failed because a peer closed its
+connection). Its error says so (``rank 0 is gone: the checkpoint of step N cannot be
+committed``); a rank that lives, however slow, is waited for up to ``commit_timeout``.
+
 The DCP plans the ranks write and rank 0 merges are :mod:`ftkit.checkpoint.background.plan`'s.
 """
 
@@ -29,11 +36,15 @@ import json
 import logging
 import os
 import pickle
+import socket
+import threading
 import time
-from collections.abc import Callable, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..._proc import proc_start
 from ...errors import CheckpointError
 from ..config import CheckpointInfo
 from ..format.commit import save_error
@@ -44,7 +55,7 @@ from ..io.statefile import WriteProgress, write_state_file
 from ..state.snapshot import Snapshot
 from .plan import Resolver, merge_metadata
 
-__all__ = ["PART_FORMAT", "RankCommit", "part_name"]
+__all__ = ["PART_FORMAT", "RankCommit", "group_broken", "node_name", "part_name"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +66,30 @@ def part_name(rank: int, suffix: str = "json") -> str:
     return f"part-rank-{rank:05d}.{suffix}"
 
 
+def node_name() -> str:
+    """This process's node as the ranks name it to each other: SLURM's node name where there is
+    one (several slurmd may share a host), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+# every RankCommit of this process, for group_broken (weakly: a closed manager's goes with it)
+_commits: weakref.WeakSet[RankCommit] = weakref.WeakSet()
+_commits_lock = threading.Lock()
+
+
+def group_broken(why: str) -> int:
+    """This process's process group is broken: a collective failed because a peer is gone (its
+    connection closed). No save in flight can be committed any more, so every RankCommit of
+    this process stops waiting for another rank's files within a poll, and fails the save with
+    ``why`` (as does every later wait of theirs: the group does not heal). The controller calls
+    it when the training loop ended with such an error. Returns how many were told."""
+    with _commits_lock:
+        commits = list(_commits)
+    for commit in commits:
+        commit.group_broken(why)
+    return len(commits)
+
+
 # ---------------------------------------------------------------------- the per-rank worker side
 class RankCommit:
     """``persist`` for one rank of several: its part, plus, on rank 0, the commit (module doc).
@@ -62,6 +97,10 @@ class RankCommit:
     Wraps the rank's :class:`~ftkit.checkpoint.Checkpointer`: rank 0 prepares, commits and applies
     retention through its ``commits`` (:class:`ftkit.checkpoint.format.commit.Committer`, the protocol every write path
     shares). Runs on the rank's checkpoint worker thread.
+
+    ``peers``: each rank's ``(node, pid)`` in rank order, as ``AsyncCheckpointer._agree``
+    gathered them; a wait for a rank whose process on this node is gone then fails at once
+    (module doc). None: only :func:`group_broken` and the timeout end a wait.
     """
 
     def __init__(
@@ -72,6 +111,7 @@ class RankCommit:
         timeout: float,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        peers: Sequence[tuple[str, int]] | None = None,
     ) -> None:
         self.ckpt = checkpointer
         self.rank = checkpointer.rank
@@ -81,6 +121,22 @@ class RankCommit:
         self._clock = clock
         self._sleep = sleep
         self._count: dict[int, int] = {}
+        self._broken: str | None = None  # group_broken's why
+        # the other ranks whose process is on this node: rank -> (pid, its start), learned now
+        self._node = node_name()
+        self._watched: dict[int, tuple[int, str]] = {}
+        for rank, (node, pid) in enumerate(peers or ()):
+            if rank != self.rank and node == self._node and pid != os.getpid():
+                started = proc_start(pid)
+                if started:  # else another pid namespace's, gone already, or unreadable
+                    self._watched[rank] = (pid, started)
+        with _commits_lock:
+            _commits.add(self)
+
+    def group_broken(self, why: str) -> None:
+        """See the module's :func:`group_broken`: every wait of this RankCommit fails from now on."""
+        if self._broken is None:
+            self._broken = why
 
     @property
     def sync(self) -> bool:
@@ -156,10 +212,15 @@ class RankCommit:
         ready: Callable[[], Any],
         stalled: Callable[[], bool],
         fail: Callable[[], CheckpointError],
+        gone: Callable[[], CheckpointError | None],
     ) -> Any:
-        """Poll ``ready()`` (backing off to 0.1 s) until truthy; raise ``fail()`` once ``stalled()``."""
+        """Poll ``ready()`` (backing off to 0.1 s) until truthy; raise ``gone()``'s error once it
+        has one (a rank waited for is gone), ``fail()`` once ``stalled()``."""
         delay = 0.005
         while not (value := ready()):
+            lost = gone()
+            if lost is not None:
+                raise lost
             if stalled():
                 raise fail()
             self._sleep(delay)
@@ -188,6 +249,7 @@ class RankCommit:
                 f"rank 0 did not start checkpoint step {step} in {path} within {self.timeout:g}s "
                 f"(checkpoint.async.commit_timeout): its {SENTINEL} never named this save ({save_id})"
             ),
+            lambda: self._gone([0], step, path),
         )
         if decision == "exists":
             log.info(
@@ -232,8 +294,28 @@ class RankCommit:
                 "(checkpoint.async.commit_timeout). The directory stays marked incomplete"
             )
 
-        self._poll(ready, stalled, fail)
+        self._poll(ready, stalled, fail,
+                   lambda: self._gone([r for r in range(self.world_size) if r not in parts], step, path))
         return parts
+
+    def _gone(self, waited: Iterable[int], step: int, path: Path) -> CheckpointError | None:
+        """The error of a wait for the ranks ``waited`` for once one of them is known to be gone
+        (its process on this node is, or the process group broke), else None."""
+        dead = [(r, self._watched[r][0]) for r in waited if r in self._watched and _exited(*self._watched[r])]
+        if dead:
+            who = f"rank{'s' if len(dead) > 1 else ''} {', '.join(str(r) for r, _ in dead)}"
+            how = "; ".join(f"rank {r}'s process (pid {pid}) on {self._node} has exited" for r, pid in dead)
+        elif self._broken is not None:
+            # two ranks: the other one is the one gone; more: one of them, which is not known here
+            who = f"rank {1 - self.rank}" if self.world_size == 2 else "a rank"
+            how = f"a collective of rank {self.rank} failed, its process group is broken: {self._broken}"
+        else:
+            return None
+        verb = "are" if len(dead) > 1 else "is"
+        text = (f"{who} {verb} gone: the checkpoint of step {step} cannot be committed ({how}); "
+                f"rank {self.rank} stopped waiting for it, {path} stays marked incomplete")
+        log.error("%s", text)
+        return CheckpointError(text)
 
     # ------------------------------------------------------------------ writing
     def _write_part(
@@ -354,6 +436,12 @@ def _read_part(path: Path, rank: int) -> dict[str, Any] | None:
         return None
     ok = isinstance(doc, dict) and doc.get("format") == PART_FORMAT and doc.get("rank") == rank
     return doc if ok else None
+
+
+def _exited(pid: int, started: str) -> bool:
+    """Whether the process ``pid`` that had started at ``started`` (:func:`ftkit._proc.proc_start`)
+    is gone: no such process, a zombie (killed, not yet reaped), or a later one reusing its pid."""
+    return proc_start(pid) != started
 
 
 def _tree_size(path: Path) -> int:

@@ -95,9 +95,10 @@ class AsyncCheckpointer(CheckpointManager):
         node = None
         persister: Any = self.checkpointer
         self._run_id: str | None = None
+        self._hosts: list[tuple[str, int]] | None = None
         if self._distributed:
             run_id, hosts = self._agree()
-            self._run_id = run_id
+            self._run_id, self._hosts = run_id, hosts
             if self.async_config.crash_safe:
                 from ..crashsafe.client import NodePlan
 
@@ -105,7 +106,8 @@ class AsyncCheckpointer(CheckpointManager):
             else:
                 from .commit import RankCommit
 
-                persister = RankCommit(self.checkpointer, run_id=run_id, timeout=self.async_config.commit_timeout)
+                persister = RankCommit(self.checkpointer, run_id=run_id, timeout=self.async_config.commit_timeout,
+                                       peers=hosts)  # a peer of this node that dies is not waited for
         self._clock = clock
         self._cond = threading.Condition()
         self._slots = [_Slot(i) for i in range(self.async_config.max_in_flight + 1)]
@@ -114,6 +116,7 @@ class AsyncCheckpointer(CheckpointManager):
         self._seq = 0
         self._error: CheckpointError | None = None
         self._orphaned: list[tuple[int, str]] = []  # (step, why): persists a dead saver took with it
+        self._wait_failed = False  # a wait raised a failure (close's wait then does not say another)
         self._closed = False
         self.last_stall_seconds: float | None = None
         self.last_persist_seconds: float | None = None
@@ -133,7 +136,6 @@ class AsyncCheckpointer(CheckpointManager):
     def _agree(self) -> tuple[str, list[tuple[str, int]]]:
         """Several ranks: check torch.distributed, agree on a run id and learn who shares a node
         (one collective, main thread)."""
-        import socket
         import uuid
 
         import torch.distributed as dist
@@ -144,9 +146,11 @@ class AsyncCheckpointer(CheckpointManager):
                 f"checkpoint.async: world_size={comm.world_size} but torch.distributed is not initialized; "
                 "call torch.distributed.init_process_group() before creating the AsyncCheckpointer"
             )
+        from .commit import node_name
+
         # SLURM's node name where there is one: several slurmd may share a host (MULTIPLE_SLURMD,
         # the multi-node test cluster), and each node has its own saver
-        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        node = node_name()
         gathered = comm.gather((uuid.uuid4().hex, node, os.getpid()))
         run_id = gathered[0][0]  # save ids name this run: leftovers never match
         return run_id, [(host, pid) for _, host, pid in gathered]
@@ -224,9 +228,13 @@ class AsyncCheckpointer(CheckpointManager):
             for step, problem in self._orphaned:  # awaited, they never became durable
                 self._record(step, problem)
             self._orphaned.clear()
-        if self._distributed:
-            self._agree_on_outcome()
-        self._raise_pending(final=True)
+        try:
+            if self._distributed:
+                self._agree_on_outcome()
+            self._raise_pending(final=True)
+        except CheckpointError:
+            self._wait_failed = True
+            raise
 
     def _agree_on_outcome(self) -> None:
         """Exchange each rank's unreported failure (main thread) and raise them on every rank."""
@@ -241,6 +249,10 @@ class AsyncCheckpointer(CheckpointManager):
         try:
             outcomes = self.checkpointer.comm.gather(mine)
         except Exception as exc:  # a rank is gone: report what this rank knows
+            if mine is None and self._wait_failed:  # close() after a wait that raised it: said once
+                log.info("checkpoint wait: the ranks could not exchange their outcomes (%s); the failure was "
+                         "raised by an earlier wait", exc)
+                return
             raise CheckpointError(
                 f"{mine or 'every save of this rank is durable'}; the ranks could not exchange "
                 f"their outcomes (a rank died?): {exc}"
@@ -346,7 +358,7 @@ class AsyncCheckpointer(CheckpointManager):
         from .thread import ThreadBackend
 
         persister: Any = self.checkpointer if self._run_id is None else RankCommit(
-            self.checkpointer, run_id=self._run_id, timeout=self.async_config.commit_timeout)
+            self.checkpointer, run_id=self._run_id, timeout=self.async_config.commit_timeout, peers=self._hosts)
         self._backend = ThreadBackend(persister, len(self._slots), self._done, self._copier)
 
     def _submit(self, slot: _Slot, *, pin: bool, reason: str | None) -> None:
