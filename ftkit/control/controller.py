@@ -177,6 +177,7 @@ class FaultTolerance:
         self._last_save_end = float("-inf")  # monotonic time the last save became durable
         self._last_saved_step: int | None = None
         self._failed_saves = 0  # saves in a row that failed (max_failed_saves)
+        self._durable_seen: int | None = None  # the newest durable step _poll_background saw
         self._stopped_by_saves: int | None = None  # the count that stopped the run (its exit event says it)
         self._snapshot_stall: tuple[int, float] | None = None  # the last memory snapshot's step and stall
         self._handled_wall: dict[Source, float] = {}  # wall time of the last decision per file source
@@ -350,6 +351,11 @@ class FaultTolerance:
                             self.runclock.step if self.runclock.step >= 0 else "?",
                             f"The next run resumes from step {last}." if last is not None else
                             "No checkpoint was saved: the next run starts fresh.")
+            try:
+                self.close()
+            except CheckpointError as err:  # a save still in flight failed too: said, but the loop's
+                log.error("ftkit: %s", err)  # own error is the one that goes on (not replaced by this)
+            return
         self.close()
 
     def _maps(self, signum: signal.Signals) -> bool:
@@ -693,6 +699,10 @@ class FaultTolerance:
             self.runclock.snapshot(stall)
         if self._to_consume:
             self._consume_durable()
+        durable = mgr.last_durable_step
+        if durable is not None and durable != self._durable_seen:  # a save became durable: the row of
+            self._durable_seen = durable  # failed saves ends (a failure reported below is a newer one)
+            self._failed_saves = 0
         error = mgr.pending_error()
         if error is not None:
             if not _event_written(error):
@@ -743,7 +753,8 @@ class FaultTolerance:
         self._last_check = ended  # a save is not part of the next step's time
         self.watchdog.end_save(ended)
         self._last_saved_step = step
-        self._failed_saves = 0
+        if not self._background:  # a background save counts once durable (_poll_background)
+            self._failed_saves = 0
         self.budget.record_save(seconds)
         if decision is None:
             return
