@@ -43,7 +43,7 @@ def test_config_errors_name_the_setting(kw, setting):
     from ftkit.checkpoint.background.manager import AsyncConfig
     from ftkit.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=f"checkpoint.async.{setting}"):
+    with pytest.raises(ConfigError, match=f"async_save.{setting}"):
         AsyncConfig(**kw)
 
 

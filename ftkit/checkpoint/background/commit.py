@@ -247,7 +247,7 @@ class RankCommit:
             lambda: self._clock() > deadline,
             lambda: CheckpointError(
                 f"rank 0 did not start checkpoint step {step} in {path} within {self.timeout:g}s "
-                f"(checkpoint.async.commit_timeout): its {SENTINEL} never named this save ({save_id})"
+                f"(async_save.commit_timeout): its {SENTINEL} never named this save ({save_id})"
             ),
             lambda: self._gone([0], step, path),
         )
@@ -291,7 +291,7 @@ class RankCommit:
             return CheckpointError(
                 f"rank {', '.join(map(str, missing))} never confirmed its part of checkpoint step {step}: "
                 f"no {names} in {path}, and no file there grew for {self.timeout:g}s "
-                "(checkpoint.async.commit_timeout). The directory stays marked incomplete"
+                "(async_save.commit_timeout). The directory stays marked incomplete"
             )
 
         self._poll(ready, stalled, fail,

@@ -18,7 +18,7 @@ def _positive(name: str, value: object, *, none_ok: bool) -> None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         extra = " or None" if none_ok else ""
-        raise ConfigError(f"checkpoint.async.{name}: must be a whole number >= 1{extra}, got {value!r}")
+        raise ConfigError(f"async_save.{name}: must be a whole number >= 1{extra}, got {value!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,24 +63,24 @@ class AsyncConfig:
         _positive("max_in_flight", self.max_in_flight, none_ok=False)
         if self.persist_every is not None and self.memory_every is None:
             raise ConfigError(
-                "checkpoint.async.persist_every: counts memory snapshots, so it needs memory_every too "
+                "async_save.persist_every: counts memory snapshots, so it needs memory_every too "
                 f"(got persist_every={self.persist_every}, memory_every=None)"
             )
         if self.on_error not in ON_ERROR:
-            raise ConfigError(f"checkpoint.async.on_error: must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
+            raise ConfigError(f"async_save.on_error: must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
         if not isinstance(self.crash_safe, bool):
-            raise ConfigError(f"checkpoint.async.crash_safe: must be True or False, got {self.crash_safe!r}")
+            raise ConfigError(f"async_save.crash_safe: must be True or False, got {self.crash_safe!r}")
         if not isinstance(self.shm_dir, (str, os.PathLike)):
-            raise ConfigError(f"checkpoint.async.shm_dir: expected a path, got {self.shm_dir!r}")
+            raise ConfigError(f"async_save.shm_dir: expected a path, got {self.shm_dir!r}")
         self.shm_dir = Path(self.shm_dir)
         if not isinstance(self.saver_timeout, (int, float)) or self.saver_timeout <= 0:
             raise ConfigError(
-                f"checkpoint.async.saver_timeout: must be a positive number of seconds, got {self.saver_timeout!r}"
+                f"async_save.saver_timeout: must be a positive number of seconds, got {self.saver_timeout!r}"
             )
         timeout = self.commit_timeout
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
             raise ConfigError(
-                f"checkpoint.async.commit_timeout: must be a positive number of seconds, got {timeout!r}"
+                f"async_save.commit_timeout: must be a positive number of seconds, got {timeout!r}"
             )
 
     @property

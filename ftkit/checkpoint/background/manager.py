@@ -143,7 +143,7 @@ class AsyncCheckpointer(CheckpointManager):
         comm = self.checkpointer.comm
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
-                f"checkpoint.async: world_size={comm.world_size} but torch.distributed is not initialized; "
+                f"async_save: world_size={comm.world_size} but torch.distributed is not initialized; "
                 "call torch.distributed.init_process_group() before creating the AsyncCheckpointer"
             )
         from .commit import node_name

@@ -79,16 +79,16 @@ class SaverArgs:
     """Several ranks on the node: the Unix socket where the leader's peers connect."""
 
     commit_timeout: float = 600.0
-    """``checkpoint.async.commit_timeout``: how long rank 0 waits for a missing rank's part."""
+    """``async_save.commit_timeout``: how long rank 0 waits for a missing rank's part."""
 
     connect_timeout: float = 120.0
-    """``checkpoint.async.saver_timeout``: a rank that has not connected by then counts as gone."""
+    """``async_save.saver_timeout``: a rank that has not connected by then counts as gone."""
 
     events: Path | None = None
     """The job's event log, if any: the saver's saves are logged there as the trainer's."""
 
     shm_dir: Path = Path("/dev/shm")
-    """``checkpoint.async.shm_dir``: where the segments live (its mount decides ``bounce``)."""
+    """``async_save.shm_dir``: where the segments live (its mount decides ``bounce``)."""
 
     def to_argv(self) -> list[str]:
         """The arguments after ``python -m SAVER_MODULE``."""

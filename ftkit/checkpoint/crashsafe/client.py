@@ -125,7 +125,7 @@ class ShmBackend:
         sock_path = self.node.socket_path(self._dir)
         if len(self.node.ranks) > 1 and len(str(sock_path)) > _SOCKET_MAX:
             raise ConfigError(
-                f"checkpoint.async.shm_dir: the saver's socket path {sock_path} is longer than "
+                f"async_save.shm_dir: the saver's socket path {sock_path} is longer than "
                 f"{_SOCKET_MAX} bytes; use a shorter shm_dir"
             )
         if self.leader:
@@ -163,7 +163,7 @@ class ShmBackend:
                     raise CheckpointError(
                         f"rank {self.rank}: the node's checkpoint saver (started by rank {self.node.ranks[0]}, "
                         f"pid {self.node.leader_pid}) did not open {path} within {self._timeout:.0f}s "
-                        f"(checkpoint.async.saver_timeout): {exc}"
+                        f"(async_save.saver_timeout): {exc}"
                     ) from exc
                 time.sleep(0.05)
         self._sock = sock
@@ -219,7 +219,7 @@ class ShmBackend:
         if self._lost:
             return self._lost
         if not self._ready.is_set() and time.monotonic() - self._started > self._timeout:
-            return f"the checkpoint saver process did not start within {self._timeout:.0f}s (checkpoint.async.saver_timeout)"
+            return f"the checkpoint saver process did not start within {self._timeout:.0f}s (async_save.saver_timeout)"
         return None
 
     # -------------------------------------------------------------- saver -> trainer

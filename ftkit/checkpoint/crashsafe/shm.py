@@ -123,7 +123,7 @@ class Segment:
                 f"cannot reserve {self.size} bytes of shared memory in {directory} for a snapshot: "
                 f"{exc.strerror or exc}{free}. A crash-safe background save keeps max_in_flight + 1 "
                 "snapshots of this size there (two by default, each slot made at its first use): free that "
-                "much space there or set checkpoint.async.shm_dir"
+                "much space there or set async_save.shm_dir"
             ) from exc
         self._fd = fd  # kept open for the write lock
         _HEADER.pack_into(self._head, 0, MAGIC, VERSION, WRITING, -1, -1, _PAGE, 0, self.data_off)
