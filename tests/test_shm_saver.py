@@ -737,3 +737,35 @@ def test_a_failing_sweep_is_a_warning_not_a_failed_run(tmp_path, monkeypatch, ca
     with caplog.at_level(logging.WARNING, logger="ftkit"):
         client._sweep(tmp_path)
     assert any("could not look for the leftovers" in m and "Permission denied" in m for m in caplog.messages)
+
+
+def test_a_saver_killed_on_rank_1s_node_mid_save_does_not_stall_rank_0s_commit(tmp_path):
+    """Two ranks on two nodes (SLURMD_NODENAME differs: a saver each). Rank 1's saver is killed
+    with kill -9 while it writes rank 1's part of step 10 (32 MB each): rank 1 tells rank 0 that
+    part is lost, so rank 0's saver fails step 10's commit at once rather than waiting
+    commit_timeout (600 s) for the part with the whole job stalled behind it. With
+    ``on_error="warn"`` both ranks train on to step 30 (with the default ``raise``, rank 0 raises
+    that failed step, as for any background failure), and the checkpoints after the kill are
+    valid."""
+    from ftkit.checkpoint import validate_dir
+    from ftkit.events import read_events
+    from tests.ckpt_helpers import collect, env, free_port
+
+    program = str(REPO / "tests" / "programs" / "saver_lost.py")
+    job = tmp_path / "job"
+    port = str(free_port())
+    began = time.monotonic()
+    procs = [subprocess.Popen(
+        [sys.executable, program, str(job), "--kill-rank", "1", "--kill-at", "11", "--ballast-mb", "32",
+         "--on-error", "warn"],
+        env=env(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, SLURMD_NODENAME=f"n{r}"),
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = collect(procs, 300)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert time.monotonic() - began < 200, outs  # far from commit_timeout
+    root = job / "checkpoints"
+    assert all(validate_dir(root / f"step-{s:08d}").valid for s in (20, 25, 30)), outs
+    lost = [e for e in read_events(job / "events.jsonl") if e["event"] == "saver-lost"]
+    assert [e["rank"] for e in lost] == [1], lost
+    if lost[0]["lost_steps"] == [10]:  # the kill came before rank 1's part was written: rank 0 was told
+        assert "died while it wrote this rank's part" in outs[0], outs

@@ -195,6 +195,36 @@ class RankCommit:
         commits.committed(info, seconds=snapshot.seconds + time.monotonic() - started, reason=reason)
         return info
 
+    def report_lost(self, step: int, why: str) -> threading.Thread | None:
+        """This rank's part of ``step`` was being written by a process that died (its crash-safe
+        saver, killed): the save counts as ``persist`` counts it (the next save ids stay the
+        other ranks'), and, on a thread (it waits for rank 0's sentinel as ``persist`` does), an
+        error part tells rank 0 at once, so its commit fails now rather than after
+        ``commit_timeout`` with the whole job waiting for it. A part the saver finished before it
+        died is left as it is. Rank 0 has nothing to tell. Returns the thread, if any."""
+        self._count[step] = self._count.get(step, 0) + 1
+        if self.rank == 0:
+            return None
+        save_id = f"{self.run_id} step {step} #{self._count[step]}"
+        path = self.ckpt.root / step_name(step)
+
+        def tell() -> None:
+            try:
+                if not self._await_start(path, save_id, step):
+                    return
+            except CheckpointError as exc:
+                log.warning("rank %d could not tell rank 0 that its part of step %d is lost: %s", self.rank, step, exc)
+                return
+            done = _read_part(path, self.rank)
+            if done is not None and done.get("save_id") == save_id:
+                return  # written (or failed) before the saver died: rank 0 reads that one
+            self._write_error_part(path, save_id, step, CheckpointError(
+                f"rank {self.rank}'s checkpoint saver died while it wrote this rank's part: {why}"))
+
+        thread = threading.Thread(target=tell, name=f"ftkit-lost-part-{step}", daemon=True)
+        thread.start()
+        return thread
+
     def _error(
         self, exc: BaseException, step: int, path: Path, progress: WriteProgress, snapshot: Snapshot
     ) -> BaseException:

@@ -116,7 +116,7 @@ class AsyncCheckpointer(CheckpointManager):
         self._seq = 0
         self._error: CheckpointError | None = None
         self._orphaned: list[tuple[int, str]] = []  # (step, why): persists a dead saver took with it
-        self._wait_failed = False  # a wait raised a failure (close's wait then does not say another)
+        self._wait_failed = False  # a failure was handed over (a later wait's exchange then says no other)
         self._closed = False
         self.last_stall_seconds: float | None = None
         self.last_persist_seconds: float | None = None
@@ -211,6 +211,8 @@ class AsyncCheckpointer(CheckpointManager):
     def pending_error(self) -> CheckpointError | None:
         """The failure of a background save not yet reported, handed over once (then cleared)."""
         err, self._error = self._error, None
+        if err is not None:
+            self._wait_failed = True
         return err
 
     def wait(self) -> None:
@@ -249,7 +251,7 @@ class AsyncCheckpointer(CheckpointManager):
         try:
             outcomes = self.checkpointer.comm.gather(mine)
         except Exception as exc:  # a rank is gone: report what this rank knows
-            if mine is None and self._wait_failed:  # close() after a wait that raised it: said once
+            if mine is None and self._wait_failed:  # the failure was raised or handed over before: said once
                 log.info("checkpoint wait: the ranks could not exchange their outcomes (%s); the failure was "
                          "raised by an earlier wait", exc)
                 return
@@ -265,7 +267,18 @@ class AsyncCheckpointer(CheckpointManager):
 
     # ------------------------------------------------------------------ snapshot and submit
     def _snapshot_now(self, step: int, state: Mapping[str, Any], *, persist: bool, pin: bool, reason: str | None) -> None:
-        """Copy ``state`` into a free slot now (waiting for one), then submit it when ``persist``."""
+        """Copy ``state`` into a free slot now (waiting for one), then submit it when ``persist``;
+        a crash-safe saver found dead meanwhile is replaced (``_replace_lost_saver``) and the
+        snapshot taken again, into the trainer's own buffers."""
+        try:
+            self._snapshot_once(step, state, persist=persist, pin=pin, reason=reason)
+        except CheckpointError:
+            if not self._replace_lost_saver():
+                raise
+            self._snapshot_once(step, state, persist=persist, pin=pin, reason=reason)
+
+    def _snapshot_once(self, step: int, state: Mapping[str, Any], *, persist: bool, pin: bool,
+                       reason: str | None) -> None:
         self._check_open()
         began = self._clock()
         limit = self.async_config.max_in_flight
@@ -319,23 +332,23 @@ class AsyncCheckpointer(CheckpointManager):
             return None
         return min(free, key=lambda s: (not s.used, s is newest, s.index))
 
-    def _replace_lost_saver(self) -> None:
+    def _replace_lost_saver(self) -> bool:
         """``crash_safe``: the node's saver process died (the OOM killer, a kill -9) while this
         trainer lives on. Its snapshots can no longer outlive the trainer, but they must still
         be saved: from here on this run persists them itself, on a thread, with the same commit
         protocol (the other ranks' savers commit with it as before), in host buffers of its own
         (the shared-memory ones are unlinked). Said once, as an error and a ``saver-lost``
         event; a save that was in flight when the saver died fails as before (``_raise_pending``).
-        The next run starts a saver again."""
+        The next run starts a saver again. Returns whether it replaced one."""
         backend = self._backend
         lost = getattr(backend, "_lost", None)  # ShmBackend's: set once its saver is gone
         if not lost or self._closed:
-            return
+            return False
         with self._cond:
             if self._in_flight:  # the reader thread hands them over (_done(-1)) right after _lost
-                self._cond.wait_for(lambda: not self._in_flight, timeout=self._backend._timeout)
+                self._cond.wait_for(lambda: not self._in_flight, timeout=1.0)
             if self._in_flight:
-                return
+                self._orphan_in_flight(lost)
             orphaned, self._orphaned = self._orphaned, []
             for slot in self._slots:  # the shared-memory buffers go with the old backend
                 slot.seq, slot.step, slot.used, slot.durable, slot.busy = -1, -1, False, False, False
@@ -359,7 +372,11 @@ class AsyncCheckpointer(CheckpointManager):
 
         persister: Any = self.checkpointer if self._run_id is None else RankCommit(
             self.checkpointer, run_id=self._run_id, timeout=self.async_config.commit_timeout, peers=self._hosts)
+        if isinstance(persister, RankCommit):
+            for step, problem in orphaned:  # rank 0's commit must not wait commit_timeout for these parts
+                persister.report_lost(step, problem)
         self._backend = ThreadBackend(persister, len(self._slots), self._done, self._copier)
+        return True
 
     def _submit(self, slot: _Slot, *, pin: bool, reason: str | None) -> None:
         limit = self.async_config.max_in_flight
@@ -381,11 +398,27 @@ class AsyncCheckpointer(CheckpointManager):
         while not (value := predicate()):
             self._cond.wait(timeout=1.0)
             problem = self._backend.problem()
+            if problem and self._saver_lost():  # in flight: said and replaced by _replace_lost_saver
+                self._orphan_in_flight(problem)
+                raise CheckpointError(problem)
             if problem and self._in_flight:
                 self._fail_in_flight(problem)
             elif problem:
                 raise CheckpointError(problem)
         return value
+
+    def _saver_lost(self) -> bool:
+        """A crash-safe saver died while this trainer lives (``_replace_lost_saver`` replaces it)."""
+        return self.async_config.crash_safe and not self._closed and bool(getattr(self._backend, "_lost", None))
+
+    def _orphan_in_flight(self, problem: str) -> None:
+        """The saves in flight died with the saver (holding ``_cond``): set aside to be said, and
+        told to rank 0, by ``_replace_lost_saver``; ``wait`` raises them."""
+        self._orphaned += [(s.step, problem) for s in self._slots if s.in_flight]
+        for s in self._slots:
+            s.in_flight = False
+        self._in_flight = 0
+        self._cond.notify_all()
 
     # ------------------------------------------------------------------ completion (worker side)
     def _done(self, seq: int, step: int, error: BaseException | str | None, seconds: float) -> None:
@@ -394,11 +427,7 @@ class AsyncCheckpointer(CheckpointManager):
                 if self.async_config.crash_safe and not self._closed:
                     # the saver died, the trainer lives: said, and replaced, by the loop's next
                     # call (_replace_lost_saver); only wait() raises it (an exit's save is lost)
-                    self._orphaned += [(s.step, str(error)) for s in self._slots if s.in_flight]
-                    for s in self._slots:
-                        s.in_flight = False
-                    self._in_flight = 0
-                    self._cond.notify_all()
+                    self._orphan_in_flight(str(error))
                 else:
                     self._fail_in_flight(str(error))
                 return
@@ -408,6 +437,7 @@ class AsyncCheckpointer(CheckpointManager):
                 slot.durable = error is None
                 self._in_flight -= 1
             if error is None:
+                self._wait_failed = False  # a durable save since: a failed exchange is news again
                 self.last_persist_seconds = seconds
                 self.last_durable_step = step if self.last_durable_step is None else max(step, self.last_durable_step)
                 if self.async_config.on_error == "warn":
@@ -439,6 +469,7 @@ class AsyncCheckpointer(CheckpointManager):
         if err is None or (self.async_config.on_error == "warn" and not final):
             return
         self._error = None
+        self._wait_failed = True
         raise err
 
     def _check_open(self) -> None:

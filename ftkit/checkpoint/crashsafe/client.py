@@ -248,7 +248,8 @@ class ShmBackend:
             what = f"the node's checkpoint saver process (started by rank {self.node.ranks[0]}) closed its connection"
         if not self._closing:
             self._lost = what
-            log.error("%s; the snapshots in flight are lost (the trainer persists the next ones itself)", self._lost)
+            # said as an error once, by the manager at the loop's next call (with what was lost)
+            log.info("%s; the snapshots in flight are lost (the trainer persists the next ones itself)", self._lost)
             self._done(-1, -1, self._lost, 0.0)  # fails whatever is in flight
 
     # -------------------------------------------------------------- shutdown
