@@ -219,3 +219,17 @@ def test_ranks_with_different_step_times_agree_on_one_interval(tmp_path: Path) -
     assert saves == [[51, 171], [51, 171]]
     records = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "interval"]
     assert [r["steps"] for r in records] == [50, 120] and all(r["rank"] == 0 for r in records)
+
+
+def test_runs_killed_before_their_first_checkpoint_get_one_within_half_their_mtbf() -> None:
+    """Earlier runs, each killed hard (no exit save) after 3 minutes: no checkpoint cost was ever
+    measured, and ``first_after`` (300 s) would come after every run's death. The first periodic
+    checkpoint comes within half the observed MTBF (90 s) instead; with no failure seen, or with
+    ``interval.mtbf`` set, ``first_after`` stands."""
+    killed = History(failures=3, observed=540.0)
+    auto = AutoInterval(IntervalConfig(first_after=300.0), events=None, history=killed)
+    assert auto.first_after() == 90.0 and auto.schedule(0, step_time=1.0) == 90
+    assert AutoInterval(IntervalConfig(first_after=300.0), events=None,
+                        history=History(observed=540.0)).first_after() == 300.0
+    assert AutoInterval(IntervalConfig(first_after=300.0, mtbf=60.0), events=None,
+                        history=killed).first_after() == 300.0

@@ -237,10 +237,19 @@ class AutoInterval:
         return choose_interval(cost=cost, mtbf=mtbf, durable=durable, max_in_flight=self.max_in_flight,
                                max_interval=self.config.max_interval, mtbf_source=source)
 
+    def first_after(self) -> float:
+        """Seconds to the first periodic checkpoint while no cost is measured: ``first_after``, or
+        half the job dir's MTBF when its runs failed sooner than that (runs killed hard before their
+        first checkpoint, every time, would otherwise never save one)."""
+        first = self.config.first_after
+        if self.history.failures and self.config.mtbf is None:
+            return max(1.0, min(first, self.history.mtbf(self.config)[0] / 2))
+        return first
+
     def schedule(self, step: int, *, step_time: float) -> int:
         """Re-evaluate at ``step`` (every rank at the same step) and set ``next_step``."""
         plan = self.evaluate()
-        seconds = self.config.first_after if plan is None else plan.seconds
+        seconds = self.first_after() if plan is None else plan.seconds
         steps = min(max(1, round(seconds / step_time)) if step_time > 0 else _MAX_STEPS, _MAX_STEPS)
         if self._agree is not None:
             steps = self._agree(steps)  # ranks measure differently; they must save at one step
