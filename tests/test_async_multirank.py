@@ -196,7 +196,7 @@ def test_settings_and_refusals(tmp_path):
     from ftkit.checkpoint.background.plan import merge_metadata
     from ftkit.errors import CheckpointError, ConfigError
 
-    with pytest.raises(ConfigError, match=r"checkpoint\.async\.commit_timeout"):
+    with pytest.raises(ConfigError, match=r"async_save\.commit_timeout"):
         AsyncConfig(commit_timeout=0)
     with pytest.raises(ConfigError, match="init_process_group"):
         AsyncCheckpointer(

@@ -295,7 +295,10 @@ def test_slurm_two_nodes_requeue_resumes_bit_identical(tmp_path: Path, dist_refe
     decisions = [e for e in events if e["event"] == "decision"]
     assert {e["step"] for e in decisions} == {decisions[0]["step"]} and decisions[0]["requeue"] is True
     requeues = [(e["rank"], e["method"], e["requeue"]) for e in events if e["event"] == "requeue"]
-    assert requeues == [(0, "submitit", True)]
+    # rank 0's `scontrol requeue` (submitit's) requeues the job; once in a CI run it was answered
+    # "Job is pending execution", the job being requeued already, which ftkit records as SLURM's
+    # requeue: either way one requeue, by rank 0, and the run below resumes from the agreed step
+    assert requeues in ([(0, "submitit", True)], [(0, "slurm", True)]), requeues
     assert [e["step"] for e in events if e["event"] == "resume" and e["rank"] == 0] == [None, decisions[0]["step"]]
 
 
