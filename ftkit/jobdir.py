@@ -87,6 +87,12 @@ class JobDir:
         """The error of a run that cannot write its job dir's own files (lease, events)."""
         import errno
 
+        if exc.errno in (errno.EEXIST, errno.ENOTDIR):
+            blocker = next((p for p in (self.root, *self.root.parents) if p.exists() and not p.is_dir()), None)
+            if blocker is not None:
+                what = "the job dir" if blocker == self.root else f"{blocker}, on the job dir's path,"
+                return ConfigError(f"cannot use job dir {self.root}: {what} is a file, not a directory; "
+                                   "give another job dir, or move the file away")
         fix = {
             errno.EROFS: "the filesystem is read-only: give a job dir on a writable one",
             errno.EACCES: f"this user ({os.getuid()}) may not write there: fix the permissions, or give another job dir",

@@ -125,8 +125,9 @@ def test_an_empty_dir_is_a_job_that_has_not_started_and_the_kill_switch_stops_it
     run = cli("demo", "--no-live", "--jobdir", str(queued), "--steps", "20", "--step-time", "0")
     assert "exits at its first check" in said(run), said(run)
     assert not (queued / "checkpoints").exists() or not any((queued / "checkpoints").iterdir())
-    r = cli("kill", str(queued))  # a job dir now: it has an events log
-    assert r.returncode == 0 and "the job will save, exit and not be requeued" in said(r)
+    r = cli("kill", str(queued))  # a job dir now (it has an events log), with no run in it
+    assert r.returncode == 0 and "no run holds the job dir now" in said(r), said(r)
+    assert "the next run started in it exits at its first check" in said(r)
     assert cli("kill", "--clear", str(queued)).returncode == 0 and not (queued / "kill-switch").exists()
 
 

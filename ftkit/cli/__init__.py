@@ -19,7 +19,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from ..errors import FtkitError
+from ..errors import FtkitError, JobDirBusyError
 
 __all__ = ["main"]
 
@@ -58,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         rc = args.func(args)
+    except JobDirBusyError as exc:  # already logged, with its lease file, where it was refused
+        return exc.exit_code
     except FtkitError as exc:
         _error(str(exc))
         return exc.exit_code

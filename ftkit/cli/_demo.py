@@ -18,12 +18,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=_at_least(0, int), default=3000, help="total steps of the run (default: 3000)")
     p.add_argument("--step-time", type=_at_least(0, float), default=0.02,
                    help="extra seconds per step so there is time to poke it (default: 0.02)")
-    p.add_argument("--save-every", type=_at_least(0, int), default=500, help="periodic checkpoint cadence (0: off)")
+    p.add_argument("--save-every", type=_at_least(0, int), default=500,
+                   help="periodic checkpoint cadence in steps (default: 500; 0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--poll", action="store_true", help="watch switch files by polling (network filesystems)")
     p.add_argument("--async", dest="async_save", action="store_true",
                    help="save in the background (the loop stalls only for the memory snapshot)")
-    p.add_argument("--no-live", action="store_true", help="plain log lines instead of the live display")
+    p.add_argument("--no-live", action="store_true",
+                   help="plain log lines instead of the live display (the default where stdout is not a terminal)")
     p.add_argument("--slurm", action="store_true", help="submit the same job with sbatch (one-node template)")
     p.set_defaults(func=_demo)
 
@@ -73,21 +75,24 @@ def _demo(args: argparse.Namespace) -> int:
                             async_save=args.async_save)
     console.print(f"[bold]ftkit demo[/]: {args.steps} steps of a small MLP on the CPU, pid {os.getpid()}, "
                   f"job dir {args.jobdir.absolute()}", highlight=False)
-    if int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0) == 0:  # once per job, not per rank
-        console.print("[bold]Poke it from another terminal:[/]")
-        console.print(_instructions(args.jobdir, os.getpid()), highlight=False)
-        console.print("Run the same command again and it resumes exactly where it stopped.")
     first: list[int] = []  # the step this run starts from
     began: list[float] = []  # when it did: the rate leaves out imports and loading
 
     def starting(info: StepInfo) -> None:
         first.append(info.step - 1)
         began.append(time.monotonic())
+        # only now: a run refused the job dir (another one holds it) must not tell people to poke it
+        if int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0) == 0:  # once per job, not per rank
+            console.print("[bold]Poke it from another terminal:[/]")
+            console.print(_instructions(args.jobdir, os.getpid()), highlight=False)
+            console.print("Run the same command again and it resumes exactly where it stopped.")
         console.print(f"resuming from the checkpoint of step {first[0]}" if first[0]
                       else "no checkpoint yet: starting from step 0", highlight=False)
 
     try:
-        if args.no_live:
+        # a live display needs a terminal: piped to a file (`> log`, `| tee`) it would print
+        # nothing until the end, so there the run prints plain lines as it goes
+        if args.no_live or not console.is_terminal:
             def on_step(info: StepInfo) -> None:
                 if not first:
                     starting(info)
@@ -114,7 +119,7 @@ def _demo(args: argparse.Namespace) -> int:
                       f"the same command resumes from the newest valid checkpoint (`ftkit ls {args.jobdir}`)",
                       style="red", markup=False, highlight=False)
         raise
-    console.print(_ending(result, args.jobdir, trained=bool(first)), highlight=False)
+    console.print(_ending(result, args.jobdir, trained=bool(first), steps=args.steps), highlight=False)
     return 0
 
 
@@ -150,14 +155,19 @@ def _logs_above(console: Any) -> Iterator[None]:
         root.handlers = before
 
 
-def _ending(result: dict[str, Any], jobdir: Path, *, trained: bool) -> str:
+def _ending(result: dict[str, Any], jobdir: Path, *, trained: bool, steps: int) -> str:
     """The last line: how the run ended, what is on disk, what to do next."""
     from rich.markup import escape
 
     j = escape(str(jobdir))
+    if result["completed"] and not trained:
+        last = result["last_step"]
+        where = (f"the newest checkpoint in {j}/checkpoints is at step {last}, at or past --steps {steps}" if last
+                 else f"--steps {steps}")
+        return (f"[green]nothing to train[/]: {where}; params sha256 {result['params_sha256'][:16]}. "
+                f"A larger --steps trains on from there; `rm -r {j}` starts over")
     if result["completed"]:
-        done = f"[green]finished[/] {result['last_step']} steps; params sha256 {result['params_sha256'][:16]}"
-        return done if trained else done + f" (it had finished before: nothing left to train; `rm -r {j}` starts over)"
+        return f"[green]finished[/] {result['last_step']} steps; params sha256 {result['params_sha256'][:16]}"
     killed = (jobdir / "kill-switch").exists()
     if result["stopping"] and killed and result["last_step"] == 0:
         return (f"[yellow]stopped[/]: the kill-switch is present, so this run trained nothing; "

@@ -218,6 +218,8 @@ def _set_aside(root: Path) -> list[dict[str, Any]]:
 
 
 def _status(args: argparse.Namespace) -> int:
+    if args.events < 0:
+        raise ConfigError(f"--events: a number of events >= 0 (0: none), got {args.events}")
     status = collect_status(args.jobdir, events=args.events)
     if args.json:
         print(json.dumps(status, indent=2, default=str))

@@ -102,7 +102,15 @@ def _switch(args: argparse.Namespace) -> int:
             console.print(f"no kill-switch in {escape(str(job.root))}", highlight=False)
         return 0
     path = touch_switch(job, args.which)
-    if job.events.exists():
+    from ..lease import lease_status
+
+    lease = lease_status(job.root) if job.events.exists() else None
+    if lease is not None and lease["state"] in ("released", "dead"):  # no run is there to act on it now
+        what = "saves at its first step" if args.which == "save" else \
+            "exits at its first check, trains nothing and is not requeued (`ftkit kill --clear` removes it)"
+        console.print(f"touched {escape(str(path))}: no run holds the job dir now (lease: "
+                      f"{escape(lease['description'])}); the next run started in it {what}", highlight=False)
+    elif job.events.exists():
         what = "save at its next step and keep training" if args.which == "save" else \
             "save, exit and not be requeued (remove with `ftkit kill --clear`)"
         console.print(f"touched {escape(str(path))}: the job will {what}", highlight=False)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import EXIT_JOBDIR_BUSY, SlurmError
+from ..errors import EXIT_JOBDIR_BUSY, ConfigError, SlurmError
 from ..events import EventLog, read_events
 from ..jobdir import JobDir
 from ..triggers.switches import remove_requests
@@ -231,7 +231,13 @@ def finish_run(
     runs = read_runs(job.runs)
     record = dict(decision.run)
     record["method"] = ("slurm" if decision.already_requeued else "scontrol") if decision.requeue else None
-    write_runs(job.runs, [*runs, record])
+    try:
+        write_runs(job.runs, [*runs, record])
+    except OSError as exc:  # the caps count what runs.json records: no requeue it cannot count
+        would = "; it would have been requeued" if decision.requeue else ""
+        raise ConfigError(
+            f"cannot record this run in {job.runs}: {exc.strerror or exc}; nothing was requeued ({decision.reason}"
+            f"{would}). Run `ftkit requeue` where the job dir {job.root} is writable") from exc
     remove_requests(decision.spent_requests)
 
     error = None

@@ -176,7 +176,8 @@ def gather(
     """
     job = JobDir.of(jobdir)
     if not job.root.is_dir():
-        raise ConfigError(f"job dir {job.root} does not exist; pass the JOBDIR the batch script uses")
+        what = "is a file, not a job dir" if job.root.exists() else "does not exist"
+        raise ConfigError(f"job dir {job.root} {what}; pass the JOBDIR the batch script uses")
     env = env if env is not None else SlurmEnv.from_env()
 
     info: dict[str, str] | None = None

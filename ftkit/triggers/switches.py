@@ -114,10 +114,17 @@ def switch_is_set(job_dir: JobDir | str | os.PathLike[str], which: str) -> bool:
 
 def remove_kill_switch(job_dir: JobDir | str | os.PathLike[str]) -> bool:
     """Remove ``JOBDIR/kill-switch`` so the job may run again; False when there was none."""
+    jd = _job_dir(job_dir)
+    path = jd.kill_switch
+    if not os.path.lexists(path):  # a read-only filesystem answers EROFS before ENOENT
+        return False
     try:
-        _job_dir(job_dir).kill_switch.unlink()
+        path.unlink()
     except FileNotFoundError:
         return False
+    except OSError as exc:
+        fix = _cannot_write(jd, exc) or "remove it by hand"
+        raise ConfigError(f"{path}: cannot remove the kill switch ({exc.strerror}); {fix}") from exc
     return True
 
 
