@@ -100,6 +100,41 @@ def test_a_requeued_runs_time_budget_starts_from_the_saves_earlier_runs_measured
     assert "only" not in second.stderr  # no "only N s left at start" warning
 
 
+BUDGETED_RANKS = """
+import sys, time, torch, torch.distributed as dist, ftkit
+dist.init_process_group("gloo")
+config = ftkit.Config(save_every=None, budget=ftkit.BudgetConfig(margin=2), agreement=ftkit.AgreementConfig(every=1))
+with ftkit.FaultTolerance(sys.argv[1], state={"model": torch.nn.Linear(4, 4)}, config=config) as ft:
+    for step in ft.range(100000):
+        time.sleep(0.02)
+dist.destroy_process_group()
+"""
+
+
+def test_every_rank_of_a_requeued_run_with_a_given_deadline_starts_from_the_measured_saves(tmp_path: Path) -> None:
+    """``FTKIT_DEADLINE`` reaches every rank, and each fires its budget on it: rank 1 too must
+    start from the saves earlier runs measured. It started from the 30 s guess, so a 2-rank
+    requeued run stopped ~30 s before its end, every time (rank 0 alone was seeded)."""
+    from tests.ckpt_helpers import env, free_port
+
+    first = subprocess.run([sys.executable, "-c", BUDGETED, str(tmp_path), "5"], env=env(), capture_output=True,
+                           text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    began = time.time()
+    extra = {"FTKIT_DEADLINE": str(int(began) + 40), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([sys.executable, "-c", BUDGETED_RANKS, str(tmp_path)], env=env(**extra, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    decisions = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "decision"]
+    assert sorted(d["rank"] for d in decisions) == [0, 1] and len({d["step"] for d in decisions}) == 1, decisions
+    for decision in decisions:  # one per rank, at one step
+        assert decision["sources"] == ["time-budget"], decision
+        assert "save 30 s" not in " ".join(decision["reasons"]), decision  # no rank fired on the guess
+        assert decision["time"] >= int(began) + 40 - 5, (decision["time"] - began, decision)  # a margin before the end
+
+
 def test_time_budget_from_env_deadline(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("FTKIT_DEADLINE", str(time.time() + 33.0))  # margin 30 s + step + save estimate
     proc = start_loop(tmp_path, 100000, 0.01)

@@ -253,8 +253,8 @@ class FaultTolerance:
                         self.job.kill_switch)
         self._signals.start()
         self._watcher.start()
-        self._seed_budget()
         self.budget.start()
+        self._seed_budget()
         left = self.budget.time_left()
         if left is not None and left < self.budget.save_estimate + self.budget.config.margin:
             log.warning(
@@ -657,8 +657,10 @@ class FaultTolerance:
         """The time budget's save estimate starts from the saves earlier runs of this job dir
         measured (the slowest of the last few, as ``ftkit status`` shows it), not from
         ``budget.save_estimate``'s guess: a requeued run stops no earlier, and no later, than
-        its saves need. Rank 0 decides for every rank."""
-        if self.rank != 0 or not self.config.budget.enabled:
+        its saves need. Rank 0 decides for every rank where the end time is SLURM's (it alone
+        asks); an end time given (``budget.deadline``, ``FTKIT_DEADLINE``) every rank holds, and
+        each fires on it, so each starts from those saves too."""
+        if not self.config.budget.enabled or (self.rank != 0 and self.budget.end_time is None):
             return
         from ..events import read_events
 
