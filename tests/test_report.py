@@ -340,6 +340,46 @@ def test_a_checkpoint_the_saver_persisted_after_the_trainer_died_counts_as_steps
     assert second.resume_step == 33 and second.last_step == 40
 
 
+RESCUED = """
+import sys, time, torch, ftkit
+config = ftkit.Config(save_every=None, async_save=ftkit.AsyncConfig(crash_safe=True, memory_every=5))
+with ftkit.FaultTolerance(sys.argv[1], state={"model": torch.nn.Linear(8, 8)}, config=config) as ft:
+    for step in ft.range(100000):
+        time.sleep(0.1)
+        print(step + 1, flush=True)
+"""
+
+
+def test_a_killed_run_whose_saver_rescued_its_snapshot_trained_until_that_snapshot(tmp_path: Path) -> None:
+    """kill -9 of a crash-safe run after ~4 s of training and no progress record of its own
+    (``progress_every`` is a minute): the saver's rescue of step 40 is the run's last record.
+    The report gave the run 0.1 s of training for its 40 steps (it ended at the first step)."""
+    from ftkit.report import parse_runs
+
+    proc = subprocess.Popen([sys.executable, "-c", RESCUED, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        for line in proc.stdout:
+            if int(line) >= 42:
+                break
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    wait_for(lambda: [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "save"], 60,
+             what="the saver's rescue")
+    events = list(read_events(tmp_path / "events.jsonl"))
+    (rescue,) = [e for e in events if e["event"] == "save"]
+    assert rescue["pid"] != proc.pid and rescue["step"] == 40, rescue
+    (run,) = parse_runs(events)
+    assert run.last_step == 40 and run.end == float(rescue["time"]), (run.end, rescue)
+    assert run.loop_end - run.loop_start >= 3.5, (run.loop_start, run.loop_end)  # 40 steps of 0.1 s
+    assert any("rescue of its last snapshot" in note for note in run.notes), run.notes
+
+
 def test_a_run_still_going_is_reported_as_running_not_killed(tmp_path: Path) -> None:
     jobdir = tmp_path / "live"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -169,10 +169,15 @@ def _run(index: int, events: list[dict[str, Any]]) -> Run:
         run.end = max([float(e["time"]) for e in own] + [float(hang["time"])])
         run.loop_end = run.end
     else:
-        run.end = max(float(e["time"]) for e in own)
+        # the crash-safe saver persists the dead trainer's last snapshot from a process of its
+        # own: the trainer trained at least until that snapshot, past its own last record
+        # (a short run's own records may be its start and first step alone)
+        rescued = [float(s["time"]) for s in run.saves if s.get("pid") != pid]
+        run.end = max([float(e["time"]) for e in own] + rescued)
         run.loop_end = run.end
         run.notes.append("no exit record (killed: kill -9, node failure or OOM): the run's end is "
-                         "taken as its last record")
+                         "taken as its last record" + (" (the crash-safe saver's rescue of its last snapshot)"
+                                                      if rescued and max(rescued) == run.end else ""))
     if hang is not None:  # the loop ended at the last step done: the wait after it is lost
         stuck = _f(hang.get("last_step_wall"))
         if stuck is None and hang.get("seconds") is not None:
