@@ -98,7 +98,9 @@ def _crash(tmp_path: Path, mode: str, mb: int, *, stagger: bool = False) -> tupl
     return root, reports[0]
 
 
-def _check_resumed(tmp_path: Path, root: Path, step: int, mb: int) -> None:
+def _check_resumed(tmp_path: Path, root: Path, step: int, mb: int, *, skipped: Path | None = None) -> None:
+    """Both ranks resume exactly ``step``; ``skipped``, a newer checkpoint passed over, is said
+    once for the job (by rank 0), not once per rank."""
     from ftkit.checkpoint import validate_dir
 
     info = validate_dir(root / f"step-{step:08d}", checksums=True)
@@ -107,6 +109,9 @@ def _check_resumed(tmp_path: Path, root: Path, step: int, mb: int) -> None:
     procs = _launch("resume", "--root", str(root), "--out", str(tmp_path / "resume"), "--mb", str(mb))
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
+    if skipped is not None:
+        said = [out.count(f"skipping checkpoint {skipped}") for out in outs]
+        assert said == [1, 0], outs
     for r in range(WORLD):
         rep = _report(tmp_path / "resume", r)
         assert rep["step"] == step and rep["ballast"] == [100 * step + r] and rep["model_equal"], rep
@@ -297,7 +302,7 @@ def test_node_death_leaves_the_survivors_part_of_a_newer_step_incomplete_and_res
     assert job_verify.returncode == 0 and "1 incomplete" in job_verify.stdout, job_verify
     assert ftkit("verify", str(step1)).returncode == 0
 
-    _check_resumed(tmp_path, root, 1, 1)  # exactly step 1: its step, ballast and weights
+    _check_resumed(tmp_path, root, 1, 1, skipped=step2)  # exactly step 1: its step, ballast and weights
     one = subprocess.run(  # and on one rank (resume across world sizes)
         [sys.executable, __file__, "resume", "--root", str(root), "--out", str(tmp_path / "resume1"), "--mb", "1"],
         env=env(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())),

@@ -491,7 +491,10 @@ class Checkpointer(CheckpointManager):
             skipped.append(f"{path.name}: {problem}")
             if known_broken(problem):  # agreed: the same on every rank (not this rank's own validation)
                 self._passed_broken = True
-            log.warning("skipping checkpoint %s: %s", path, problem.removeprefix(f"{path}: "))  # path once
+            # every rank skips it for the same (agreed) problem: said once (rank 0), as where the
+            # run goes on from is, not once per rank of a 512-rank job
+            log.log(logging.WARNING if self.rank == 0 else logging.INFO, "skipping checkpoint %s: %s",
+                    path, problem.removeprefix(f"{path}: "))  # path once
             self._emit("skip", step=info.step, path=str(path), reason=problem)
         if step is not None and damaged is not None:  # not "no checkpoint": the state is not as it was
             raise CheckpointError(
