@@ -55,6 +55,22 @@ def test_import_ftkit_stays_free_of_transformers():
     subprocess.run([sys.executable, "-c", code], check=True, env=_env(), timeout=60)
 
 
+def test_import_without_transformers_says_what_to_install():
+    """Without the hf extra, importing the integration (or running the launcher) names the
+    package to install, as a ModuleNotFoundError still."""
+    code = ("import sys\n"
+            "sys.modules['transformers'] = None  # as if not installed\n"
+            "try:\n"
+            "    import ftkit.integrations.hf\n"
+            "except ModuleNotFoundError as exc:\n"
+            "    print(exc)\n"
+            "    sys.exit(0 if exc.name == 'transformers' else 3)\n"
+            "sys.exit(2)\n")
+    done = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "pip install 'ftkit[hf]'" in done.stdout, done.stdout
+
+
 def test_sigterm_then_resume_in_a_new_process_matches_uninterrupted(tmp_path):
     """SIGTERM at step 5 -> checkpoint-5 sealed, exit; a new process (the launcher, plain
     ``trainer.train()``) resumes and ends bit for bit where an uninterrupted run ends.

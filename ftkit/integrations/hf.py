@@ -34,7 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback
+try:
+    from transformers import TrainerCallback
+except ModuleNotFoundError as _exc:  # the optional extra is not installed
+    if _exc.name is None or _exc.name.split(".")[0] != "transformers":
+        raise
+    raise ModuleNotFoundError(
+        "ftkit.integrations.hf needs transformers (and accelerate), which are not installed: "
+        "pip install 'ftkit[hf]'", name=_exc.name) from _exc
 
 from ..control.controller import Config, FaultTolerance
 from ..decision import Decision
