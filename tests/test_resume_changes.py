@@ -261,3 +261,33 @@ def test_a_scheduler_class_of_the_users_own_resumes_from_its_own_checkpoint(tmp_
         state = {"model": model, "optimizer": again.optimizer, "scheduler": again}
         assert make_mgr(root).load(state) == 1, kind
         assert again.last_epoch == 1, kind
+
+
+def test_range_after_the_scripts_own_resume_loads_nothing_again(tmp_path):
+    """docs/getting-started.md: to go on with another learning rate, the script calls
+    ``ft.resume()``, sets it, then loops with ``ft.range``. The range loaded the checkpoint a
+    second time, over the script's learning rate (and read it twice)."""
+    import ftkit
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ftkit.FaultTolerance(tmp_path, state={"model": model, "optimizer": opt}) as ft:
+        for _ in ft.range(5):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+    trained = model.weight.detach().clone()
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with ftkit.FaultTolerance(tmp_path, state={"model": model, "optimizer": opt}) as ft:
+        assert ft.resume() == 5 and opt.param_groups[0]["lr"] == 0.01  # the checkpoint's
+        opt.param_groups[0]["lr"] = 0.001
+        with torch.no_grad():
+            model.weight.add_(1.0)  # anything the script sets after its resume stays
+        steps = list(ft.range(8))
+    assert steps == [5, 6, 7]
+    assert opt.param_groups[0]["lr"] == 0.001
+    assert torch.equal(model.weight, trained + 1.0)
+    loads = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "load"]
+    assert [e["step"] for e in loads] == [5], loads  # one load, by the script's resume()

@@ -176,6 +176,7 @@ class FaultTolerance:
         self._last_check: float | None = None
         self._last_save_end = float("-inf")  # monotonic time the last save became durable
         self._last_saved_step: int | None = None
+        self._resumed_at: int | None = None  # what resume() returned: range() after it loads nothing again
         self._failed_saves = 0  # saves in a row that failed (max_failed_saves)
         self._durable_seen: int | None = None  # the newest durable step _poll_background saw
         self._stopped_by_saves: int | None = None  # the count that stopped the run (its exit event says it)
@@ -526,7 +527,9 @@ class FaultTolerance:
 
     def _range(self, total: int, start: int | None) -> Iterator[int]:
         self.start()
-        first = self.resume() if start is None else start
+        # after the script's own resume() (and what it set since: a learning rate, say), the
+        # state is not loaded again over it
+        first = start if start is not None else self._resumed_at if self._resumed_at is not None else self.resume()
         self.watchdog.arm(first)
         # One check before the first step: a kill-switch present at start, or a signal that
         # came during start-up, ends the run before it trains anything.
@@ -585,9 +588,13 @@ class FaultTolerance:
         return self.state
 
     def resume(self) -> int:
-        """Load the newest valid checkpoint into ``state``; return the step to continue from."""
+        """Load the newest valid checkpoint into ``state``; return the step to continue from.
+
+        :meth:`range` calls it, unless the script did: what the script changes in the state after
+        its own ``resume()`` (a learning rate to go on with) is not loaded over."""
         self.start()
         if self._no_save_at_start:
+            self._resumed_at = 0
             return 0
         began = self._clock()
         manager = self.checkpoints
@@ -600,7 +607,8 @@ class FaultTolerance:
         saved_world = None if loaded is None else loaded.world_size
         self.events.emit("resume", step=step, world_size=self.world_size, saved_world_size=saved_world, **timing)
         self._last_saved_step = step
-        return 0 if step is None else int(step)
+        self._resumed_at = 0 if step is None else int(step)
+        return self._resumed_at
 
     def save(self, step: int, *, decision: Decision | None = None, reason: str | None = None) -> Any:
         """Write a checkpoint of ``state`` at ``step`` through the manager; time it for the budget.
