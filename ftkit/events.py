@@ -37,6 +37,7 @@ class EventLog:
         self.rank = rank
         self._clock = clock
         self._host = socket.gethostname()
+        self._lost = 0  # records not written since the last one that was (a full disk: one warning)
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
@@ -60,7 +61,17 @@ class EventLog:
             finally:
                 os.close(fd)
         except OSError as exc:  # the audit trail must never stop training
-            log.warning("could not append to events log %s: %s", self.path, exc)
+            # said once per streak: on a full disk every step's records fail, and a warning for
+            # each would bury the save's own error
+            log.log(logging.WARNING if not self._lost else logging.DEBUG,
+                    "could not append to events log %s: %s (said once until a record is written again)",
+                    self.path, exc)
+            self._lost += 1
+            return record
+        if self._lost:
+            log.warning("events log %s written again; %d record(s) could not be written before", self.path,
+                        self._lost)
+            self._lost = 0
         return record
 
 

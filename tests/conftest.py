@@ -68,7 +68,7 @@ def small_fs(tmp_path):
 
 def fill_up(path: Path) -> Path:
     """Write ``path`` until its filesystem is full (not a block left); returns it."""
-    with open(path, "wb") as f, contextlib.suppress(OSError):
+    with open(path, "wb", buffering=0) as f, contextlib.suppress(OSError):  # unbuffered: close has nothing to flush
         while True:
             f.write(b"x" * 65536)
     return path

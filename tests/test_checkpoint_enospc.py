@@ -45,6 +45,8 @@ def test_enospc_during_save(small_fs, tmp_path):
     msg = str(err.value)
     assert "ENOSPC" in msg and str(root / "step-00000002") in msg
     assert "bytes" in msg and "4000000 bytes of tensors" in msg
+    on_disk = validate_dir(root / "step-00000001").size  # a disk is sized by what a checkpoint takes there
+    assert f"(the newest valid checkpoint, step-00000001, takes {on_disk} bytes on disk)" in msg, msg
     partial = validate_dir(root / "step-00000002")
     assert (
         partial.status == "incomplete"

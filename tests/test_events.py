@@ -55,3 +55,26 @@ def test_the_report_counts_the_run_after_a_torn_line(tmp_path: Path) -> None:
     said = ftkit("report", str(job), "--json")
     report = json.loads(said)
     assert len(report["runs"]) == 2, said
+
+
+def test_a_full_disk_is_warned_once_per_streak_and_its_lost_records_counted(small_fs, caplog):
+    """On a full disk every step's records fail to append: one warning, not one per record
+    (the demo's last screen was mostly these), and a count once records are written again."""
+    import logging
+
+    from tests.conftest import fill_up
+
+    log = EventLog(small_fs / "events.jsonl")
+    log.emit("start")
+    filler = fill_up(small_fs / "filler")
+    with caplog.at_level(logging.DEBUG, logger="ftkit.events"):
+        for step in range(5):
+            log.emit("progress", step=step, pad="x" * 8192)
+        said = [r for r in caplog.records if "could not append" in r.getMessage()]
+        assert [r.levelno for r in said] == [logging.WARNING] + [logging.DEBUG] * 4, said
+        assert "No space left on device" in said[0].getMessage()
+        filler.unlink()
+        log.emit("exit")
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING][-1] == (
+        f"events log {small_fs / 'events.jsonl'} written again; 5 record(s) could not be written before")
+    assert [e["event"] for e in read_events(small_fs / "events.jsonl")] == ["start", "exit"]

@@ -145,10 +145,25 @@ def save_error(exc: OSError, step: int, path: Path, progress: Any, nbytes: int) 
     where = exc.filename or (progress.writer.path if progress.writer else path)
     return CheckpointError(
         f"could not save checkpoint step {step} to {path}: {name} ({exc.strerror or exc}) on {where} "
-        f"after writing {progress.total} bytes; the snapshot holds {nbytes} bytes of tensors. "
+        f"after writing {progress.total} bytes; the snapshot holds {nbytes} bytes of tensors{_on_disk(path)}. "
         f"The partial checkpoint stays marked incomplete ({SENTINEL}) and is removed later; "
         "earlier checkpoints are untouched"
     )
+
+
+def _on_disk(path: Path) -> str:
+    """What a checkpoint takes on disk, from the newest valid one beside ``path``: more than
+    its tensors (each file's alignment, the RNG states, the manifest), by far for a small state.
+    A disk that must hold ``keep_last + 1`` checkpoints is sized by this, not the tensors."""
+    try:
+        for _, other in list_step_dirs(path.parent):
+            if other != path:
+                info = validate_dir(other)
+                if info.valid:
+                    return f" (the newest valid checkpoint, {other.name}, takes {info.size} bytes on disk)"
+    except OSError:
+        pass
+    return ""
 
 
 class Committer:
