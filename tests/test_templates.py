@@ -166,6 +166,25 @@ def test_cli_renders_to_file_and_lists(tmp_path: Path, capsys: pytest.CaptureFix
     assert "unknown setting 'bogus'" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(BASH is None, reason="needs bash")
+@pytest.mark.parametrize("name", ["single", "srun", "torchrun"])
+def test_a_python_without_ftkit_stops_the_job_at_once_naming_the_setting(name: str, tmp_path: Path) -> None:
+    """The traps and ``ftkit requeue`` run ``$PYTHON -m ftkit``: with a Python that lacks ftkit
+    (a venv not active in the batch script) the job trained to its end, then could not requeue
+    itself. It stops before the training, saying which setting to fix."""
+    nopy = tmp_path / "python-without-ftkit"
+    nopy.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")  # no site-packages: no ftkit
+    nopy.chmod(0o755)
+    marker = tmp_path / "trained"
+    script = tmp_path / "job.sbatch"
+    script.write_text(templates.render(name, {"python": str(nopy), "jobdir": str(tmp_path / "job"),
+                                              "command": f"touch {marker}"}))
+    proc = subprocess.run([BASH, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"ftkit: {nopy} cannot import ftkit: render this script with --set python=" in proc.stderr
+    assert not marker.exists()  # nothing ran
+
+
 # --------------------------------------------------------------------------------------
 # the rendered single.sbatch, run by bash with real signals (SLURM replaced by a fake scontrol)
 
