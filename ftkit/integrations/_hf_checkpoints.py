@@ -42,6 +42,7 @@ from ..errors import CheckpointError
 __all__ = [
     "PREFIX",
     "arm",
+    "checked_resume",
     "checkpoint_dirs",
     "commit",
     "discard_crashed",
@@ -53,8 +54,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PREFIX = "checkpoint"  # checkpoint-N, the pattern transformers uses (parse_hf_step)
-
-
 
 
 def checkpoint_dirs(output_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
@@ -114,6 +113,57 @@ def latest_valid_checkpoint(
         if events is not None:
             events.emit("skip", step=step, path=str(path), status=info.status, reason=info.reason)
     return None
+
+
+def checked_resume(
+    path: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    *,
+    checksums: bool = True,
+    events: Any = None,
+) -> str | None:
+    """The checkpoint to resume from where ``path`` was handed to a resume (a script's
+    ``resume_from_checkpoint``, often ``transformers.trainer_utils.get_last_checkpoint``'s answer).
+
+    A path is used as given where it is valid, or where ftkit never wrote it (neither the
+    ``checkpoint-is-incomplete`` sentinel nor a ``manifest.json``: Trainer's own checkpoints,
+    a missing path, someone else's files). A directory ftkit knows is broken (its sentinel: a save
+    that never finished; a manifest its files fail) is never loaded: where it lies in
+    ``output_dir``, the newest valid checkpoint there is taken instead (None: none, start fresh),
+    with a warning that names it and why; elsewhere CheckpointError says what to pass instead.
+    """
+    given = Path(path)
+    try:
+        real_dir = stat.S_ISDIR(os.lstat(given).st_mode)
+    except OSError:
+        return os.fspath(path)  # missing or unreadable: Trainer's own error says so
+    if not real_dir or not (os.path.lexists(given / SENTINEL) or os.path.lexists(given / MANIFEST)):
+        return os.fspath(path)  # not ftkit's (or a link, which ftkit never writes): as given
+    info = inspect(given, checksums=checksums)
+    if info.valid or info.status not in ("incomplete", "corrupt"):
+        return os.fspath(path)  # valid, or unreadable here (not known to be bad): as given
+    if not _same_dir(given.parent, Path(output_dir)):
+        if events is not None:
+            events.emit("skip", step=info.step, path=str(given.absolute()), status=info.status, reason=info.reason)
+        raise CheckpointError(
+            f"resume_from_checkpoint={os.fspath(path)} is not a checkpoint to resume from ({info.status}: "
+            f"{info.reason}), and ftkit does not load it. Pass a valid checkpoint instead (`ftkit verify "
+            f"{given.parent.absolute()}` lists them), True for the newest valid one in the output dir, "
+            f"or False to start fresh")
+    fallback = latest_valid_checkpoint(output_dir, checksums=checksums, events=events)  # skips it, with an event
+    log.warning("resume_from_checkpoint=%s is not a checkpoint to resume from (%s: %s): %s", os.fspath(path),
+                info.status, info.reason,
+                f"resuming from {fallback} instead, the newest valid checkpoint in {Path(output_dir).absolute()}"
+                if fallback is not None else
+                f"no valid checkpoint in {Path(output_dir).absolute()}, starting fresh")
+    return fallback
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a.absolute() == b.absolute()
 
 
 # -- the commit ----------------------------------------------------------------------------

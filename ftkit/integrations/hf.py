@@ -50,6 +50,7 @@ from ..errors import CheckpointError, ConfigError
 from ._hf_checkpoints import (
     PREFIX,
     arm,
+    checked_resume,
     commit,
     discard_crashed,
     discard_if_empty,
@@ -128,12 +129,45 @@ class FtkitCallback(TrainerCallback):
         _save_checkpoint._ftkit_callback = self  # type: ignore[attr-defined]
         trainer._save_checkpoint = _save_checkpoint
         self._wrapped = True
+        self._wrap_train(trainer)
         return self
+
+    def _wrap_train(self, trainer: Any) -> None:
+        """Check what the instance's ``train()`` is told to resume from before Trainer loads it:
+        ``resume_from_checkpoint=True`` takes the newest *valid* checkpoint, a path ftkit knows
+        is broken is replaced by the newest valid one (:func:`checked_resume`), and the
+        leftovers of crashed saves are deleted before Trainer looks."""
+        original = trainer.train
+
+        @functools.wraps(original)
+        def train(resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+            import transformers
+
+            if getattr(trainer, "_ftkit_active", False) or _patched(transformers.Trainer.train):
+                # train() / the launcher drive it (the launcher refuses a Trainer with its own callback)
+                return original(resume_from_checkpoint, *args, **kwargs)
+            ft = self._begin(trainer.args)
+            try:
+                resume = False if resume_from_checkpoint is None else resume_from_checkpoint
+                resumed = _resume_path(ft, trainer.args.output_dir, resume, checksums=True)
+                _log_resume(ft, resumed, resume, trainer.args.output_dir)
+                if trainer.args.should_save:  # before Trainer looks at (or loads) any checkpoint-N
+                    discard_crashed(trainer.args.output_dir, events=ft.events)
+                return original(resumed, *args, **kwargs)
+            except BaseException as exc:
+                if self._owns_ft and self.ft is not None:  # a crash before on_train_end: the exit event says so
+                    self.ft.__exit__(type(exc), exc, exc.__traceback__)
+                    self.ft = None
+                raise
+
+        train._ftkit_callback = self  # type: ignore[attr-defined]
+        trainer.train = train
 
     def detach(self, trainer: Any) -> None:
         """Undo :meth:`attach`."""
-        if getattr(trainer.__dict__.get("_save_checkpoint"), "_ftkit_callback", None) is self:
-            del trainer._save_checkpoint
+        for name in ("_save_checkpoint", "train"):
+            if getattr(trainer.__dict__.get(name), "_ftkit_callback", None) is self:
+                delattr(trainer, name)
         self._wrapped = False
         if self in trainer.callback_handler.callbacks:
             trainer.remove_callback(self)
@@ -147,14 +181,24 @@ class FtkitCallback(TrainerCallback):
 
     # -- Trainer events ---------------------------------------------------------------------
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Trainer(callbacks=[FtkitCallback()]): attach to it as attach() would, so that every save
+        # is marked in advance and train()'s resume_from_checkpoint is checked before Trainer loads it
+        trainer = _constructing_trainer(self)
+        if trainer is not None and not self._wrapped:
+            self.attach(trainer)
+
+    def _begin(self, args: Any) -> FaultTolerance:
         if self.ft is None:
             jobdir = self._jobdir or jobdir_from_env() or args.output_dir
             config = self._config or config_from_env(jobdir=jobdir)
             self.ft = FaultTolerance(jobdir, config=config)
         if not self.ft._started:  # the start event names Trainer's output dir as the checkpoint root
             self.ft._start_fields = _hf_root(args.output_dir)
-        self.ft.start()
+        return self.ft.start()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._begin(args)
         self.decision = None
         self.completed = False
         if args.should_save:  # before any save of this run: a crashed save's directory is not written into
@@ -282,17 +326,56 @@ def _hf_root(output_dir: str | os.PathLike[str]) -> dict[str, str]:
 
 
 def _resume_path(ft: FaultTolerance, output_dir: str, resume: bool | str, checksums: bool) -> str | None:
+    """What to resume from: False nothing, True the newest valid checkpoint in ``output_dir``, a
+    path as given unless ftkit knows it is broken (:func:`checked_resume`). Rank 0 chooses and
+    broadcasts, so all ranks resume from the same checkpoint (or all raise)."""
     if resume is False:
         return None
-    if isinstance(resume, (str, os.PathLike)):
-        return os.fspath(resume)
-    path = latest_valid_checkpoint(output_dir, checksums=checksums, events=ft.events) if ft.rank == 0 else None
+    path, error = None, None
+    if ft.rank == 0:
+        try:
+            if isinstance(resume, (str, os.PathLike)):
+                path = checked_resume(resume, output_dir, checksums=checksums, events=ft.events)
+            else:
+                path = latest_valid_checkpoint(output_dir, checksums=checksums, events=ft.events)
+        except CheckpointError as exc:
+            error = str(exc)
     dist = _dist()
-    if dist is not None:  # one rank chooses, so all resume from the same checkpoint
-        box = [path]
+    if dist is not None:
+        box = [path, error]
         dist.broadcast_object_list(box, src=0)
-        path = box[0]
+        path, error = box
+    if error is not None:
+        raise CheckpointError(error)
     return path
+
+
+def _log_resume(ft: FaultTolerance, resumed: str | None, resume: Any, output_dir: str) -> None:
+    """Where this run goes on from, in the job's log (as ftkit's own resume says it): rank 0 as a
+    warning, which a default logging set-up shows."""
+    level = logging.WARNING if ft.rank == 0 else logging.INFO
+    if resumed is not None:
+        log.log(level, "ftkit resume: step %s from %s", parse_hf_step(Path(resumed).name), resumed,
+                extra={"ftkit_notice": True})
+    else:
+        log.log(level, "ftkit resume: %s", "resume=False: starting fresh" if resume is False else
+                f"no valid checkpoint in {Path(output_dir).absolute()}: starting fresh", extra={"ftkit_notice": True})
+
+
+def _constructing_trainer(callback: FtkitCallback) -> Any:
+    """The Trainer whose ``__init__`` is calling ``callback.on_init_end`` (found up the stack: the
+    callback event hands callbacks no Trainer), or None."""
+    frame = sys._getframe(1)
+    for _ in range(10):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        handler = getattr(candidate, "callback_handler", None)
+        if any(cb is callback for cb in getattr(handler, "callbacks", ())) and callable(
+                getattr(candidate, "_save_checkpoint", None)) and callable(getattr(candidate, "train", None)):
+            return candidate
+        frame = frame.f_back
+    return None
 
 
 @contextlib.contextmanager
@@ -330,19 +413,15 @@ def _run(
             log.warning("ftkit: kill-switch present, not training")
             return Run(None, False, None, None, stopped=True)
         resumed = _resume_path(ft, trainer.args.output_dir, resume, checksums)
-        # where this run goes on from, in the job's log (as ftkit's own resume says it): rank 0
-        # as a warning, which a default logging set-up shows
-        level = logging.WARNING if ft.rank == 0 else logging.INFO
+        _log_resume(ft, resumed, resume, trainer.args.output_dir)
         if resumed is not None:
             step = parse_hf_step(Path(resumed).name)
             ft.events.emit("resume", step=step, path=resumed, kind="hf")
             ft._last_saved_step = step  # shown in the exit event if nothing newer is saved
-            log.log(level, "ftkit resume: step %s from %s", step, resumed, extra={"ftkit_notice": True})
         else:
             ft.events.emit("resume", step=None)
-            log.log(level, "ftkit resume: %s", "resume=False: starting fresh" if resume is False else
-                    f"no valid checkpoint in {Path(trainer.args.output_dir).absolute()}: starting fresh",
-                    extra={"ftkit_notice": True})
+        if trainer.args.should_save:  # before Trainer loads: a crashed save's directory is gone
+            discard_crashed(trainer.args.output_dir, events=ft.events)
         callback.attach(trainer)
         try:
             output = call(resumed)
