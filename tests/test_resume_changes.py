@@ -291,3 +291,26 @@ def test_range_after_the_scripts_own_resume_loads_nothing_again(tmp_path):
     assert torch.equal(model.weight, trained + 1.0)
     loads = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "load"]
     assert [e["step"] for e in loads] == [5], loads  # one load, by the script's resume()
+
+
+def test_a_second_range_or_a_second_with_block_resumes_anew(tmp_path):
+    """The resume() that range() skips is the script's own, right before it, once: a second
+    range() in the block (or the object entered again) goes on from where the first ended,
+    not from the first one's resume point."""
+    import ftkit
+
+    model = torch.nn.Linear(2, 2)
+    with ftkit.FaultTolerance(tmp_path / "a", state={"model": model}) as ft:
+        assert list(ft.range(5)) == [0, 1, 2, 3, 4]
+        assert list(ft.range(10)) == [5, 6, 7, 8, 9]
+    ft = ftkit.FaultTolerance(tmp_path / "b", state={"model": model})
+    with ft:
+        assert list(ft.range(5)) == [0, 1, 2, 3, 4]
+    with ft:
+        assert list(ft.range(10)) == [5, 6, 7, 8, 9]
+    with ftkit.FaultTolerance(tmp_path / "c", state={"model": model}) as ft:
+        assert ft.resume() == 0
+        for step in range(3):  # the script's own loop, then a range() for the rest
+            ft.step(step + 1)
+        ft.save(3)
+        assert list(ft.range(6)) == [3, 4, 5]

@@ -290,6 +290,7 @@ class FaultTolerance:
         if not self._started:
             return
         self._started = False
+        self._resumed_at = None  # entered again, the run resumes anew
         self.watchdog.begin_save("close(): waiting for checkpoints")
         try:
             if self._checkpoints is not None:
@@ -491,6 +492,7 @@ class FaultTolerance:
 
     def step(self, step: int) -> Decision:
         """``check(step)``, then save if the decision (or ``save_every``) says so."""
+        self._resumed_at = None  # the script trains on from its resume(): a range() after resumes anew
         if self._background:
             self._poll_background(step)
         decision = self.check(step)
@@ -527,9 +529,11 @@ class FaultTolerance:
 
     def _range(self, total: int, start: int | None) -> Iterator[int]:
         self.start()
-        # after the script's own resume() (and what it set since: a learning rate, say), the
-        # state is not loaded again over it
-        first = start if start is not None else self._resumed_at if self._resumed_at is not None else self.resume()
+        # right after the script's own resume() (and what it set since: a learning rate, say),
+        # the state is not loaded again over it; once only (a second range() resumes anew)
+        resumed, self._resumed_at = self._resumed_at, None
+        first = start if start is not None else resumed if resumed is not None else self.resume()
+        self._resumed_at = None  # the resume() just above set it
         self.watchdog.arm(first)
         # One check before the first step: a kill-switch present at start, or a signal that
         # came during start-up, ends the run before it trains anything.
