@@ -111,7 +111,8 @@ def test_a_job_dir_that_is_a_file_is_named_as_one(tmp_path: Path) -> None:
 
 def test_requeue_and_kill_clear_where_the_job_dir_is_read_only(read_only: Path) -> None:
     """``ftkit requeue`` must record a run before it may requeue it (its caps count runs.json):
-    where it cannot, it says so naming runs.json and requeues nothing. ``kill --clear`` with
+    where it cannot, it says so naming runs.json and requeues nothing; the batch script still
+    ends with the code it would (0 for a run with nothing to requeue, a crash's own). ``kill --clear`` with
     no kill-switch there has nothing to do; with one it names the read-only filesystem."""
     jobdir = read_only / "job"
     jobdir.mkdir()
@@ -119,11 +120,17 @@ def test_requeue_and_kill_clear_where_the_job_dir_is_read_only(read_only: Path) 
     (read_only / "job2").mkdir()
     remount_ro(read_only)
 
-    r = cli("requeue", str(jobdir), "--exit-code", "0")
-    assert r.returncode == 2, said(r)
-    assert f"cannot record this run in {jobdir / 'runs.json'}: Read-only file system; nothing was requeued" \
-        in said(r), said(r)
+    plain = read_only / "job2"
+    unrecorded = (f"this run could not be recorded in {plain / 'runs.json'} (Read-only file system): run "
+                  f"`ftkit requeue` where the job dir {plain} is writable")
+    r = cli("requeue", str(plain), "--exit-code", "0")  # nothing to requeue: the batch script ends 0
+    assert r.returncode == 0, said(r)
+    assert f"ftkit requeue: not requeued: the program exited with code 0 and left no ftkit exit record; but " \
+           f"{unrecorded}" in said(r), said(r)
     assert "Traceback" not in said(r) and ".tmp" not in said(r)
+    r = cli("requeue", str(plain), "--exit-code", "137")  # a crash it would requeue: no requeue it cannot count
+    assert r.returncode == 137, said(r)
+    assert "ftkit requeue: NOT requeued (crashed with exit code 137" in said(r) and unrecorded in said(r), said(r)
 
     r = cli("kill", "--clear", str(read_only / "job2"))
     assert r.returncode == 0 and f"no kill-switch in {read_only / 'job2'}" in said(r), said(r)

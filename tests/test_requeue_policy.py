@@ -625,3 +625,29 @@ def test_a_trap_request_left_by_another_run_decides_nothing_and_is_spent(jobdir,
     d = run_decide(jobdir, mine, FakeScontrol(RUNNING), rc=137, step=20)
     assert (d.requeue, d.cause) == (True, "crash"), d
     assert set(d.spent_requests) == {str(old), str(stop)}
+
+
+@pytest.mark.parametrize(("line", "rc", "requeued", "code"), [
+    (RUNNING, 1, [], 1),  # a crash it would requeue: no requeue the caps cannot count
+    (REQUEUED, 143, [], 0),  # SLURM requeued it already: said, not denied
+    (RUNNING, 0, [], 0),  # nothing to requeue: the script ends as it would
+])
+def test_a_run_that_cannot_be_recorded_is_never_requeued_by_ftkit(jobdir, env, line, rc, requeued, code) -> None:
+    """runs.json unwritable (here a directory in its place; a read-only mount in
+    tests/test_cli_slips.py): the caps count what it records, so ftkit requeues nothing it
+    cannot record; the message names the file, the requests are spent all the same and the
+    exit code is what the batch script would have ended with otherwise (75 or the crash's
+    own where a requeue was wanted)."""
+    trainer_run(jobdir, exit={"error": "RuntimeError: boom"} if rc == 1 else
+                {"requeue": True, "reasons": ["SIGTERM"]} if rc == 143 else {"completed": True})
+    (jobdir / "runs.json").mkdir()
+    (jobdir / "requests" / "requeue-1.json").write_text('{"action": "requeue"}')
+    fake = FakeScontrol(line)
+    out = finish_run(jobdir, exit_code=rc, env=env, runner=fake, checkpoints_lookup=steps(10), saver_wait=0)
+    assert fake.requeued == requeued
+    assert f"could not be recorded in {jobdir / 'runs.json'}" in out.message, out.message
+    assert out.exit_code == code, out.message
+    if line is REQUEUED:
+        assert "nothing was requeued" not in out.message and out.message.startswith("ftkit requeue: requeued job")
+    assert not list((jobdir / "requests").iterdir())
+    assert [e["event"] for e in read_events(jobdir / "events.jsonl")][-1] == "requeue"

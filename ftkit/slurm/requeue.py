@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import EXIT_JOBDIR_BUSY, ConfigError, SlurmError
+from ..errors import EXIT_JOBDIR_BUSY, SlurmError
 from ..events import EventLog, read_events
 from ..jobdir import JobDir
 from ..triggers.switches import remove_requests
@@ -231,20 +231,23 @@ def finish_run(
     runs = read_runs(job.runs)
     record = dict(decision.run)
     record["method"] = ("slurm" if decision.already_requeued else "scontrol") if decision.requeue else None
+    unrecorded = None  # why runs.json could not be written: the caps count what it records
     try:
         write_runs(job.runs, [*runs, record])
-    except OSError as exc:  # the caps count what runs.json records: no requeue it cannot count
-        would = "; it would have been requeued" if decision.requeue else ""
-        raise ConfigError(
-            f"cannot record this run in {job.runs}: {exc.strerror or exc}; nothing was requeued ({decision.reason}"
-            f"{would}). Run `ftkit requeue` where the job dir {job.root} is writable") from exc
+    except OSError as exc:
+        unrecorded = (f"this run could not be recorded in {job.runs} ({exc.strerror or exc}): run `ftkit requeue` "
+                      f"where the job dir {job.root} is writable")
     remove_requests(decision.spent_requests)
 
     error = None
-    try:
-        action = perform(decision, env, runner=runner, sbatch=sbatch, script=script)
-    except SlurmError as exc:
-        action, error = None, str(exc)
+    if unrecorded is not None and decision.requeue and not decision.already_requeued:
+        # a requeue no cap could count could repeat without end: not one (the work is unfinished)
+        action, error = None, unrecorded
+    else:
+        try:
+            action = perform(decision, env, runner=runner, sbatch=sbatch, script=script)
+        except SlurmError as exc:
+            action, error = None, str(exc)
     exit_code_out = decision.exit_code
     if error is not None:
         exit_code_out = decision.training_exit_code or EXIT_UNFINISHED
@@ -255,7 +258,9 @@ def finish_run(
         record.update(method=action.method, new_job_id=action.new_job_id)
     else:
         message = f"ftkit requeue: not requeued: {decision.reason}"
-    if decision.requeue:  # what perform did (or why it failed)
+    if unrecorded is not None and error != unrecorded:
+        message += f"; but {unrecorded}"
+    elif decision.requeue and unrecorded is None:  # what perform did (or why it failed)
         write_runs(job.runs, [*runs, record])
     EventLog(job.events).emit(
         "requeue", requeue=bool(record["requeue"]), reason=decision.reason, cause=decision.cause,
