@@ -7,6 +7,7 @@ The model is tests/programs/hf_train.py's 2-layer GPT-2 (nothing downloaded), tr
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -19,9 +20,10 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 import ftkit  # noqa: E402
+from ftkit.checkpoint.format.layout import SENTINEL  # noqa: E402
 from ftkit.events import EventLog, read_events  # noqa: E402
 from ftkit.integrations._hf_checkpoints import arm, checked_resume, commit, inspect  # noqa: E402
-from ftkit.integrations.hf import FtkitCallback, train  # noqa: E402
+from ftkit.integrations.hf import FtkitCallback, latest_valid_checkpoint, train  # noqa: E402
 from tests.test_hf import QUIET, _env, _weights, program  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,5 +162,49 @@ def test_callbacks_list_resume_true_and_a_crashed_path_resume_from_the_newest_va
         assert not crashed.exists(), resume
         for name, tensor in _weights(reference).items():
             assert torch.equal(_weights(trainer)[name], tensor), (resume, name)
+        resumes = [e for e in read_events(out / "events.jsonl") if e["event"] == "resume"]
+        assert resumes[-1]["step"] == 3 and resumes[-1]["path"] == str(out / "checkpoint-3"), resumes[-1]
         exit_ = [e for e in read_events(out / "events.jsonl") if e["event"] == "exit"][-1]
         assert exit_["completed"] is True, exit_
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ftkit", *args], env=_env(), capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_the_callback_on_its_own_records_where_trainers_checkpoints_are(tmp_path):
+    """The documented "callback on its own" path, the job dir apart from the output dir: the
+    FaultTolerance starts before the callback sees the Trainer (its start event names
+    JOBDIR/checkpoints), yet after a run that made no save the CLI finds output_dir's valid
+    checkpoint-4, and `ftkit report` says the run resumed from step 4."""
+    job, out = tmp_path / "job", tmp_path / "run"
+
+    def run(steps: int, save_every: int | None) -> None:
+        trainer = program.build_trainer(out, steps)
+        args = trainer.args
+        with ftkit.FaultTolerance(job, config=_config(save_every)) as ft:  # the docs' snippet
+            FtkitCallback(ft).attach(trainer)
+            trainer.train(resume_from_checkpoint=latest_valid_checkpoint(args.output_dir, events=ft.events))
+
+    run(4, save_every=4)
+    run(6, save_every=None)  # resumes from checkpoint-4, saves nothing
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-4"]
+
+    status = _cli("status", str(job), "--json")
+    assert status.returncode == 0, status.stderr
+    said = json.loads(status.stdout)
+    assert said["verdict"] == "if the job dies now, it resumes from step 4", said["verdict"]
+    assert [(c["step"], c["status"]) for c in said["checkpoints"]] == [(4, "valid")]
+    verify = _cli("verify", str(job))
+    assert verify.returncode == 0 and "all 1 checkpoint(s) valid" in verify.stdout, verify.stdout + verify.stderr
+    listed = _cli("ls", str(job))
+    assert listed.returncode == 0 and str(out) in listed.stdout and "valid" in listed.stdout, listed.stdout
+    report = _cli("report", str(job), "--json")
+    assert report.returncode == 0, report.stderr
+    runs = json.loads(report.stdout)["runs"]
+    assert [r["resumed_from"] for r in runs] == [None, 4], runs
+    assert runs[1]["resumed"] is True
+    resume = [e for e in read_events(job / "events.jsonl") if e["event"] == "resume"][-1]
+    assert resume["checkpoint_root"] == str(out.absolute()) and resume["seconds"] > 0, resume
+    assert not os.path.lexists(out / "checkpoint-4" / SENTINEL)

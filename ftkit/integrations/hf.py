@@ -108,6 +108,7 @@ class FtkitCallback(TrainerCallback):
         self._armed: Path | None = None
         self._began = 0.0
         self._wrapped = False
+        self._resume: tuple[str | None, float] | None = None  # what train() resumes from, since when
 
     # -- wiring -----------------------------------------------------------------------------
 
@@ -130,6 +131,8 @@ class FtkitCallback(TrainerCallback):
         trainer._save_checkpoint = _save_checkpoint
         self._wrapped = True
         self._wrap_train(trainer)
+        if self.ft is not None and not self.ft._started:  # its start event names Trainer's output dir
+            self.ft._start_fields = _hf_root(trainer.args.output_dir)
         return self
 
     def _wrap_train(self, trainer: Any) -> None:
@@ -146,6 +149,7 @@ class FtkitCallback(TrainerCallback):
             if getattr(trainer, "_ftkit_active", False) or _patched(transformers.Trainer.train):
                 # train() / the launcher drive it (the launcher refuses a Trainer with its own callback)
                 return original(resume_from_checkpoint, *args, **kwargs)
+            began = time.monotonic()
             ft = self._begin(trainer.args)
             try:
                 resume = False if resume_from_checkpoint is None else resume_from_checkpoint
@@ -153,6 +157,7 @@ class FtkitCallback(TrainerCallback):
                 _log_resume(ft, resumed, resume, trainer.args.output_dir)
                 if trainer.args.should_save:  # before Trainer looks at (or loads) any checkpoint-N
                     discard_crashed(trainer.args.output_dir, events=ft.events)
+                self._resume = (resumed, began)
                 return original(resumed, *args, **kwargs)
             except BaseException as exc:
                 if self._owns_ft and self.ft is not None:  # a crash before on_train_end: the exit event says so
@@ -199,6 +204,7 @@ class FtkitCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._begin(args)
+        self._record_resume(args, state)
         self.decision = None
         self.completed = False
         if args.should_save:  # before any save of this run: a crashed save's directory is not written into
@@ -209,6 +215,28 @@ class FtkitCallback(TrainerCallback):
                 "one, so a crash right then can leave no valid checkpoint; prefer FTKIT_KEEP_LAST",
                 args.save_total_limit,
             )
+
+    def _record_resume(self, args: Any, state: Any) -> None:
+        """The ``resume`` event, now that Trainer has loaded the checkpoint (``ftkit report``: the
+        training loop starts here; the time since ``train()`` was called is the load's). It names
+        the checkpoint and Trainer's output dir (``checkpoint_root``), so the CLI finds the
+        ``checkpoint-N`` dirs also where the ``FaultTolerance`` was started before the callback
+        knew the output dir (its start event names ``JOBDIR/checkpoints``)."""
+        ft = self.ft
+        assert ft is not None
+        pending, self._resume = self._resume, None
+        if pending is not None:
+            path, began = pending
+            step = None if path is None else parse_hf_step(Path(path).name)
+            timing = ft.runclock.resumed(step, load_seconds=time.monotonic() - began, manager_seconds=0.0)
+        else:  # a train() ftkit did not see called: what Trainer loaded, if anything, is in its state
+            path, step = None, state.global_step or None
+            ft.runclock.loop_from(step or 0)
+            timing = {}
+        if step is not None:
+            ft._last_saved_step = step  # shown in the exit event if nothing newer is saved
+        ft.events.emit("resume", step=step, path=None if path is None else str(Path(path).absolute()),
+                       world_size=ft.world_size, **_hf_root(args.output_dir), **timing)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         assert self.ft is not None, "FtkitCallback: on_train_begin was not called"
@@ -412,17 +440,13 @@ def _run(
         if ft.stopping:
             log.warning("ftkit: kill-switch present, not training")
             return Run(None, False, None, None, stopped=True)
+        began = time.monotonic()
         resumed = _resume_path(ft, trainer.args.output_dir, resume, checksums)
         _log_resume(ft, resumed, resume, trainer.args.output_dir)
-        if resumed is not None:
-            step = parse_hf_step(Path(resumed).name)
-            ft.events.emit("resume", step=step, path=resumed, kind="hf")
-            ft._last_saved_step = step  # shown in the exit event if nothing newer is saved
-        else:
-            ft.events.emit("resume", step=None)
         if trainer.args.should_save:  # before Trainer loads: a crashed save's directory is gone
             discard_crashed(trainer.args.output_dir, events=ft.events)
         callback.attach(trainer)
+        callback._resume = (resumed, began)  # the resume event, at on_train_begin (once loaded)
         try:
             output = call(resumed)
         finally:
