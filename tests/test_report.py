@@ -375,9 +375,9 @@ def test_a_killed_run_whose_saver_rescued_its_snapshot_trained_until_that_snapsh
     (rescue,) = [e for e in events if e["event"] == "save"]
     assert rescue["pid"] != proc.pid and rescue["step"] == 40, rescue
     (run,) = parse_runs(events)
-    assert run.last_step == 40 and run.end == float(rescue["time"]), (run.end, rescue)
+    assert run.last_step == 40 and run.end == float(rescue["time"]) - rescue["seconds"], (run.end, rescue)
     assert run.loop_end - run.loop_start >= 3.5, (run.loop_start, run.loop_end)  # 40 steps of 0.1 s
-    assert any("rescue of its last snapshot" in note for note in run.notes), run.notes
+    assert any("persist of its last snapshot" in note for note in run.notes), run.notes
 
 
 def test_a_run_still_going_is_reported_as_running_not_killed(tmp_path: Path) -> None:

@@ -104,7 +104,10 @@ def _switch(args: argparse.Namespace) -> int:
     path = touch_switch(job, args.which)
     from ..lease import lease_status
 
-    lease = lease_status(job.root) if job.events.exists() else None
+    try:
+        lease = lease_status(job.root) if job.events.exists() else None
+    except OSError:  # the switch is in place; what holds the job dir is a nicety
+        lease = None
     if lease is not None and lease["state"] in ("released", "dead"):  # no run is there to act on it now
         what = "saves at its first step" if args.which == "save" else \
             "exits at its first check, trains nothing and is not requeued (`ftkit kill --clear` removes it)"

@@ -6,7 +6,10 @@ the process ended. Pure functions of the records: no files, no torch.
 
 Where a run ends: its ``exit`` record; a run killed without one (``kill -9``, a node failure,
 the OOM killer) ends at the last record its own process wrote (a ``progress`` record at most
-``timing.progress_every`` seconds old, with logs written before this release, the last save).
+``timing.progress_every`` seconds old, with logs written before this release, the last save),
+or, later, where the crash-safe saver began to persist a snapshot of it (its ``save`` record's
+time less its ``seconds``: the trainer had taken that snapshot, and the saver persists the last
+one as soon as the trainer is gone).
 """
 
 from __future__ import annotations
@@ -172,11 +175,12 @@ def _run(index: int, events: list[dict[str, Any]]) -> Run:
         # the crash-safe saver persists the dead trainer's last snapshot from a process of its
         # own: the trainer trained at least until that snapshot, past its own last record
         # (a short run's own records may be its start and first step alone)
-        rescued = [float(s["time"]) for s in run.saves if s.get("pid") != pid]
+        rescued = [float(s["time"]) - float(s.get("seconds") or 0.0) for s in run.saves if s.get("pid") != pid]
         run.end = max([float(e["time"]) for e in own] + rescued)
         run.loop_end = run.end
         run.notes.append("no exit record (killed: kill -9, node failure or OOM): the run's end is "
-                         "taken as its last record" + (" (the crash-safe saver's rescue of its last snapshot)"
+                         "taken as its last record" + (" (the crash-safe saver's persist of its last snapshot, "
+                                                      "begun when the trainer was gone)"
                                                       if rescued and max(rescued) == run.end else ""))
     if hang is not None:  # the loop ended at the last step done: the wait after it is lost
         stuck = _f(hang.get("last_step_wall"))

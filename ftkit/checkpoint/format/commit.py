@@ -143,9 +143,10 @@ def save_error(exc: OSError, step: int, path: Path, progress: Any, nbytes: int) 
     """
     name = errno.errorcode.get(exc.errno or 0, "error")
     where = exc.filename or (progress.writer.path if progress.writer else path)
+    full = _on_disk(path) if exc.errno in (errno.ENOSPC, errno.EDQUOT) and step >= 0 else ""  # not per rank's part
     return CheckpointError(
         f"could not save checkpoint step {step} to {path}: {name} ({exc.strerror or exc}) on {where} "
-        f"after writing {progress.total} bytes; the snapshot holds {nbytes} bytes of tensors{_on_disk(path)}. "
+        f"after writing {progress.total} bytes; the snapshot holds {nbytes} bytes of tensors{full}. "
         f"The partial checkpoint stays marked incomplete ({SENTINEL}) and is removed later; "
         "earlier checkpoints are untouched"
     )
