@@ -208,3 +208,13 @@ def test_the_callback_on_its_own_records_where_trainers_checkpoints_are(tmp_path
     resume = [e for e in read_events(job / "events.jsonl") if e["event"] == "resume"][-1]
     assert resume["checkpoint_root"] == str(out.absolute()) and resume["seconds"] > 0, resume
     assert not os.path.lexists(out / "checkpoint-4" / SENTINEL)
+
+    # a fresh run on that path that saves nothing: its resume event names the output dir all the same
+    job2, out2 = tmp_path / "job2", tmp_path / "run2"
+    trainer = program.build_trainer(out2, 2)
+    with ftkit.FaultTolerance(job2, config=_config(None)) as ft:
+        FtkitCallback(ft).attach(trainer)
+        trainer.train(resume_from_checkpoint=latest_valid_checkpoint(trainer.args.output_dir, events=ft.events))
+    status = _cli("status", str(job2), "--json")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["checkpoint_root"]["path"] == str(out2.absolute()), status.stdout

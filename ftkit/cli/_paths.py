@@ -199,7 +199,7 @@ def checkpoint_root(job: Path, events: Iterable[dict[str, Any]]) -> Root:
     job dir's (this job dir was moved or copied: the log keeps the old absolute paths). Without
     such an event, ``JOBDIR/checkpoints``, or the job dir itself where it holds the step dirs.
     Hugging Face Trainer's ``checkpoint-N`` live in its output dir, named by the ``save`` events
-    and the ``start`` event (``kind`` ``hf``); the job dir itself where it is that output dir,
+    and the ``start`` and ``resume`` events (``kind`` ``hf``); the job dir itself where it is that output dir,
     moved or copied.
     """
     from ..checkpoint.format import list_step_dirs, parse_hf_step, parse_step
@@ -212,8 +212,9 @@ def checkpoint_root(job: Path, events: Iterable[dict[str, Any]]) -> Root:
             recorded, hf = Path(path).parent, False
         elif isinstance(path, str) and e.get("kind") == "hf" and parse_hf_step(Path(path).name) is not None:
             recorded, hf = Path(path).parent, True  # Trainer's output_dir (its save events say kind "hf")
-        elif e.get("event") == "start" and isinstance(e.get("checkpoint_root"), str):
-            # the root a run started with, before it saved (Trainer's output dir: kind "hf")
+        elif e.get("event") in ("start", "resume") and isinstance(e.get("checkpoint_root"), str):
+            # the root a run started with, before it saved (Trainer's output dir: kind "hf"; its
+            # callback's resume event names it where the run had started before it knew it)
             recorded, hf = Path(e["checkpoint_root"]), e.get("kind") == "hf"
     if hf and recorded is not None:
         root = recorded if recorded.is_absolute() else job / recorded
