@@ -330,7 +330,8 @@ def test_warmup_then_floor_then_multiple_of_the_slowest_step(dog, tmp_path: Path
     clock.now += 90  # a warm-up step may take warmup_timeout
     wd.tick()
     assert exits == []
-    steps(wd, clock, 1, 2, 90)
+    steps(wd, clock, 1, 1, 90)  # the first (compiling) warm-up step is slow, the next one is not
+    steps(wd, clock, 2, 2, 1)
     assert wd.overdue(clock.now, wd.last, None)[1:] == (10.0, "timeout 10 s")
     clock.now += 10.5
     wd.tick()
@@ -362,6 +363,21 @@ def test_a_slower_step_raises_the_allowance(dog) -> None:
     clock.now += 15
     wd.tick()
     assert exits == []
+
+
+def test_steps_longer_than_the_floor_are_no_hang_right_after_the_warm_up(dog) -> None:
+    """Every step takes 4 s, the floor is 10 s and 5 x 4 s = 20 s is the allowance: the first
+    step after the warm-up has no measurement of its own yet, and got the bare floor (a healthy
+    job declared hung at that step, in every run). The quickest warm-up step stands for it."""
+    wd, clock, exits = dog
+    steps(wd, clock, 0, 2, 4)  # steps 1 and 2: the warm-up
+    waited, allowance, why = wd.overdue(clock.now + 15, wd.last, None)
+    assert (waited, allowance) == (15, 20) and "slowest warm-up step (none after it measured yet) (4 s)" in why
+    clock.now += 15
+    wd.tick()
+    assert exits == []
+    steps(wd, clock, 3, 4, 1)  # measured after the warm-up (step 3 took 16 s): the steps' own again
+    assert wd.overdue(clock.now, wd.last, None)[1:] == (80.0, "5 x the slowest recent step (16 s)")
 
 
 def test_saves_and_allow_blocks_get_their_own_allowance(dog) -> None:
@@ -454,6 +470,8 @@ def test_config_errors_name_the_setting(monkeypatch) -> None:
         WatchdogConfig().resolve_timeout({"FTKIT_HANG_TIMEOUT": "soon"})
     assert WatchdogConfig().resolve_timeout({}) == 300.0
     assert WatchdogConfig().resolve_timeout({"FTKIT_HANG_TIMEOUT": "42"}) == 42.0
+    for off in ("off", "0", "0.0", "0e0", "false"):  # 0 written as a float is 0 too
+        assert WatchdogConfig().resolve_timeout({"FTKIT_HANG_TIMEOUT": off}) is None, off
     assert WatchdogConfig(timeout=7).resolve_timeout({"FTKIT_HANG_TIMEOUT": "42"}) == 7.0  # config wins
     assert WatchdogConfig(enabled=False).resolve_timeout({}) is None
     assert WatchdogConfig().resolve_warmup({}) == 1800.0

@@ -21,7 +21,7 @@ _LABELS = {
     "redone": "re-done work (after the last checkpoint, computed again)",
     "stall": "checkpoint stalls",
     "restart": "restart cost",
-    "exit_wait": "waiting for saves at exit",
+    "exit_wait": "waiting at exit (saves, a hang)",
 }
 _PARTS = {
     "before_ftkit": "until ftkit started (interpreter, imports, user set-up)",

@@ -166,12 +166,14 @@ def _env_seconds(environ: Mapping[str, str] | None, name: str, default: float, *
     raw = (os.environ if environ is None else environ).get(name, "").strip()
     if not raw:
         return default
-    if off and raw.lower() in ("off", "0", "no", "false"):
+    if off and raw.lower() in ("off", "no", "false"):
         return None
     try:
         value = float(raw)
     except ValueError:
         value = math.nan
+    if off and value == 0:  # 0, 0.0, 0e0: off, as documented for 0
+        return None
     if not (math.isfinite(value) and value > 0):
         raise ConfigError(f"environment variable {name}={raw!r}: give seconds > 0" + (", or off" if off else ""))
     return value
@@ -224,6 +226,7 @@ class Watchdog:
         "_stop",
         "_thread",
         "_wall",
+        "_warm",
         "_world",
         "config",
         "fired",
@@ -267,6 +270,7 @@ class Watchdog:
         self._first_hint: int | None = None  # the first step, when the loop said (arm)
         self._ref: tuple[int, float, int] | None = None  # (step, time, epoch) of the last sample
         self._steps: collections.deque[float] = collections.deque(maxlen=_STEP_SAMPLES)
+        self._warm: float | None = None  # the quickest warm-up step: the steps' time until one after is measured
         self._saves: collections.deque[float] = collections.deque(maxlen=_SAVE_SAMPLES)
         self._main = threading.get_ident()
         timeout = self.timeout or DEFAULT_TIMEOUT
@@ -414,9 +418,13 @@ class Watchdog:
         if step - first < cfg.warmup_steps:
             return (now - at, max(self.warmup, self.timeout),
                     f"warm-up step {step - first + 1} of {cfg.warmup_steps}")
-        slowest = max(self._steps, default=0.0)
+        # until a step after the warm-up is measured, the quickest warm-up step stands for one
+        # (compiling and filling caches only make warm-up steps slower): steps longer than the
+        # floor were each declared a hang at the first step after the warm-up, in every run
+        slowest = max(self._steps, default=self._warm or 0.0)
         if cfg.multiple * slowest > self.timeout:
-            return now - at, cfg.multiple * slowest, f"{cfg.multiple:g} x the slowest recent step ({slowest:.3g} s)"
+            recent = "recent step" if self._steps else "warm-up step (none after it measured yet)"
+            return now - at, cfg.multiple * slowest, f"{cfg.multiple:g} x the slowest {recent} ({slowest:.3g} s)"
         return now - at, self.timeout, f"timeout {self.timeout:g} s"
 
     def _sample(self, last: tuple[int, float] | None) -> None:
@@ -429,8 +437,12 @@ class Watchdog:
             hint = self._first_hint
             self._first = hint if hint is not None and hint <= last[0] else last[0]
         ref, epoch, warmup = self._ref, self._epoch, self.config.warmup_steps
-        if ref is not None and ref[2] == epoch and last[0] > ref[0] and ref[0] - self._first >= warmup:
-            self._steps.append((last[1] - ref[1]) / (last[0] - ref[0]))
+        if ref is not None and ref[2] == epoch and last[0] > ref[0]:
+            seconds = (last[1] - ref[1]) / (last[0] - ref[0])
+            if ref[0] - self._first >= warmup:
+                self._steps.append(seconds)
+            else:
+                self._warm = seconds if self._warm is None else min(self._warm, seconds)
         if ref is None or (last[0], last[1], epoch) != ref:
             self._ref = (last[0], last[1], epoch)
 
