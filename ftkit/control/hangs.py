@@ -18,6 +18,19 @@ this rule, strongest evidence first:
    the one stuck in a data loader, a file read or a kernel.
 4. Else the rank whose last step finished earliest (weak: reported as such).
 
+The culprit's step. A rank's own ``hang`` event, and a heartbeat written while its step was
+already overdue (it carries the main thread's frame), give its last completed step exactly.
+A rank that wrote neither (SIGSTOPped, killed, its node lost) is known only from its last
+heartbeat, written up to a heartbeat interval (10 s: hundreds of short steps) before it
+stopped: a lower bound, never its last step. The ranks that wait for it bound it from above:
+they record their own last step exactly, and a rank cannot have completed a step whose
+collective they never got past (a rank ahead of them would not be the one they wait on). And
+where they wait in a step's gradient all-reduce (DDP's, in autograd's backward: one every
+step), they completed step N only after it joined step N's all-reduce, so it completed at
+least N - 1. Hence ``step`` (the lowest step it surely completed), ``step_max`` (the highest
+it may have) and ``step_exact``; :func:`hang_step` is the one number that does not move with
+the heartbeats' timing, for "hung again at step N" between runs.
+
 Also the record types the watchdog writes (:class:`Heartbeat`), so writer and readers share
 one definition of the fields.
 """
@@ -33,12 +46,15 @@ from dataclasses import asdict, dataclass, fields, replace
 from types import FrameType
 from typing import Any
 
-__all__ = ["Heartbeat", "culprit", "describe", "frame_facts", "last_incident", "suspicion"]
+__all__ = ["Heartbeat", "culprit", "describe", "frame_facts", "hang_step", "last_incident", "step_range", "suspicion"]
 
 STALE_BEATS = 3  # a heartbeat older than this many intervals means the process is not running
 
 # Paths (with "/" separators) whose frames mean "waiting for the other ranks".
 _COLLECTIVE = ("/torch/distributed/", "/torch/nn/parallel/", "/torch/autograd/", "/ftkit/control/agreement.py")
+# Paths whose frames mean "inside a step's gradient all-reduce" (DDP's hooks run in autograd's
+# backward): a collective every step, so the ranks move in lockstep.
+_GRADIENT = ("/torch/nn/parallel/", "/torch/autograd/")
 _STDLIB = os.path.realpath(sysconfig.get_paths()["stdlib"]).replace(os.sep, "/") + "/"
 
 
@@ -127,10 +143,13 @@ def last_incident(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 def culprit(events: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     """The rank that stopped completing steps first in the newest hang, or None (no hang).
 
-    Returns ``rank``, ``host``, ``step``, ``last_step_wall``, ``frame``, ``file`` (its stack
-    dump, when it could write one), ``running``, ``evidence`` (which rule named it, in words),
-    ``declared_by`` (the first rank to fire), ``time`` (when) and ``others`` (every other
-    rank's facts). See the module docstring for the rule.
+    Returns ``rank``, ``host``, ``step`` (the last step it surely completed), ``step_max``
+    (the newest it may have completed; None: no bound), ``step_exact`` (the two are its own
+    record), ``heartbeat_step`` (what its last heartbeat said, where the step comes from one),
+    ``last_step_wall`` (when ``heartbeat_step``, or the exact step, completed), ``frame``,
+    ``file`` (its stack dump, when it could write one), ``running``, ``evidence`` (which rule
+    named it, in words), ``declared_by`` (the first rank to fire), ``time`` (when) and
+    ``others`` (every other rank's facts). See the module docstring for the rule and the step.
     """
     hangs = last_incident(events)
     if not hangs:
@@ -160,12 +179,47 @@ def culprit(events: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     facts = sorted(ranks.values(), key=lambda b: b.rank)
     first = min(hangs, key=lambda e: e.get("time", 0.0))
     pick, evidence = _apply_rule(facts, int(first.get("rank", 0)))
+    low, high, exact = _step_bounds(pick, facts, fired)
     return {
-        "rank": pick.rank, "host": pick.host, "step": pick.step, "last_step_wall": pick.last_step_wall,
+        "rank": pick.rank, "host": pick.host, "step": low, "step_max": high, "step_exact": exact,
+        "heartbeat_step": None if exact else pick.step, "last_step_wall": pick.last_step_wall,
         "frame": pick.frame, "file": files.get(pick.rank), "running": pick.running, "evidence": evidence,
         "declared_by": int(first.get("rank", 0)), "time": first.get("time"),
         "others": [b.to_json() for b in facts if b.rank != pick.rank],
     }
+
+
+def _step_bounds(pick: Heartbeat, facts: list[Heartbeat], fired: set[int]) -> tuple[int | None, int | None, bool]:
+    """(the lowest step ``pick`` surely completed, the newest it may have, whether that is
+    exact): see the module docstring."""
+    if pick.rank in fired or (pick.frame is not None and pick.step is not None):
+        return pick.step, pick.step, True  # its own event, or a heartbeat written while stuck
+    if pick.host is None:  # no heartbeat, no event: it exited or never reached a step
+        return None, None, False
+    waiters = [b for b in facts if b.rank in fired and b.rank != pick.rank and b.step is not None]
+    high = min((b.step for b in waiters), default=None)
+    if high is None or (pick.step is not None and high < pick.step):  # none waits behind it: no bound
+        return pick.step, None, False
+    lockstep = any(b.step == high and b.waiting and b.frame and any(m in b.frame.replace(os.sep, "/")
+                                                                    for m in _GRADIENT) for b in waiters)
+    low = pick.step
+    if lockstep:
+        low = high - 1 if low is None else max(low, high - 1)
+    if low == high:
+        return low, high, True
+    return low, high, False
+
+
+def hang_step(found: dict[str, Any] | None) -> int | None:
+    """The step a hang is recorded at (``runs.json``'s ``hang_step``; "hung again at step N"
+    compares it between runs): the culprit's last completed step where that is known exactly,
+    else the newest step it may have completed, which the ranks waiting for it recorded
+    themselves. Never a stale heartbeat's step, which moves with the heartbeats' timing."""
+    if found is None:
+        return None
+    if found.get("step_exact") or found.get("step_max") is None:
+        return found.get("step")
+    return found.get("step_max")
 
 
 def _apply_rule(facts: list[Heartbeat], observer: int) -> tuple[Heartbeat, str]:
@@ -202,6 +256,28 @@ def describe(found: dict[str, Any] | None) -> str:
     where = f"in {found['frame']}" if found.get("frame") else "no stack (it wrote none)"
     waiting = sum(1 for o in found.get("others", []) if o.get("host") is not None)
     return (f"hang: rank {found['rank']} on {found.get('host') or 'an unknown host'} stopped completing "
-            f"steps first (last step {found.get('step')}{at}), {where}: {found['evidence']}"
+            f"steps first ({_last_step(found, at)}), {where}: {found['evidence']}"
             + (f"; {waiting} other rank(s) waited on it" if waiting else "")
             + (f"; stacks: {found['file']}" if found.get("file") else ""))
+
+
+def step_range(found: dict[str, Any]) -> str:
+    """The culprit's last completed step in words: ``7``, ``6 or 7``, ``5 to 7``, ``5 or later``."""
+    low, high = found.get("step"), found.get("step_max", found.get("step"))
+    if found.get("step_exact", True) or low == high:
+        return str(low)
+    if high is None:
+        return f"{low} or later"
+    if low is None:
+        return f"{high} or earlier"
+    return f"{low} or {high}" if high - low == 1 else f"{low} to {high}"
+
+
+def _last_step(found: dict[str, Any], at: str) -> str:
+    if found.get("step_exact", True):
+        return f"last step {found.get('step')}{at}"
+    text = f"last step {step_range(found)}"
+    if found.get("step_max") is not None:
+        text += f": the ranks waiting for it completed step {found['step_max']}"
+    beat = found.get("heartbeat_step")
+    return text + (f"; its last heartbeat said {beat}{at}" if beat is not None else "")

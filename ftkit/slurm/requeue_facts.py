@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .._fs import atomic_write
-from ..control.hangs import culprit
+from ..control.hangs import culprit, hang_step
 from ..errors import ConfigError, SlurmError
 from ..events import read_events
 from ..jobdir import JobDir
@@ -123,7 +123,7 @@ class RunFacts:
             "restart_count": self.env.restart_count,
             "start_time": start.get("time") if start else None, "end_time": round(self.end_time, 3),
             "exit_code": self.exit_code, "start_step": self.start_step, "end_step": self.end_step,
-            "progress": self.progress, "hang_step": hang.get("step") if hang else None,
+            "progress": self.progress, "hang_step": hang.get("hang_step", hang.get("step")) if hang else None,
             "slurm_state": self.slurm_state,
         }
 
@@ -132,17 +132,20 @@ def _hang(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The hang this run ended in, as the rank that stopped first saw it (:func:`culprit`):
     every rank's watchdog fires, and the last event written is as often a rank that was only
     waiting for it. That rank's own event; where it wrote none (stopped, killed, its node
-    lost), the first rank to fire's, naming it."""
+    lost), the first rank to fire's, naming it, with the culprit's step as far as it is known
+    (``step`` to ``step_max``: its last heartbeat may be an interval old). ``hang_step`` is
+    the step ``runs.json`` records (:func:`ftkit.control.hangs.hang_step`: exact, not a
+    heartbeat's)."""
     hangs = [e for e in events if e.get("event") == "hang"]
     who = culprit(hangs) if hangs else None
     if who is None:
         return hangs[-1] if hangs else None
     own = [e for e in hangs if int(e.get("rank", 0)) == who["rank"]]
     if own:
-        return own[-1]
+        return {**own[-1], "hang_step": own[-1].get("step")}
     first = min(hangs, key=lambda e: e.get("time", 0.0))
-    return {**first, "rank": who["rank"], "host": who["host"], "step": who["step"], "file": who["file"],
-            "seconds": None}
+    return {**first, "rank": who["rank"], "host": who["host"], "step": who["step"], "step_max": who["step_max"],
+            "step_exact": who["step_exact"], "hang_step": hang_step(who), "file": who["file"], "seconds": None}
 
 
 def streak(runs: tuple[Mapping[str, Any], ...], match: Callable[[Mapping[str, Any]], bool]) -> int:

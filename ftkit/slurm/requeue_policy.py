@@ -183,6 +183,11 @@ def _hang_text(hang: Mapping[str, Any] | None) -> str:
     rank, host, step = hang.get("rank"), hang.get("host") or "?", hang.get("step")
     where = f"rank {'?' if rank is None else rank} on {host}"
     after = "" if step is None else f" after step {step}"
+    if "step_exact" in hang and not hang["step_exact"] and hang.get("step_max") is not None:
+        # known only from a heartbeat, bounded by the ranks that waited for it: say the range
+        from ..control.hangs import step_range
+
+        after = f" after step {step_range(hang)} (the ranks waiting for it completed step {hang['step_max']})"
     text = f"the hang watchdog found {where} completed no step{waited}{after}"
     return text + (f" (stacks in {hang['file']})" if hang.get("file") else "")
 
@@ -332,6 +337,8 @@ def _limits(facts: RunFacts, policy: RequeuePolicy, verdict: _Verdict, cause: st
                            "(FTKIT_REQUEUE_ON_CRASH / --no-requeue-on-crash)")
         if not facts.progress:
             previous = facts.runs[-1] if facts.runs else {}
+            # exact (the culprit's own record, or the step of the ranks that waited for it), never
+            # a stale heartbeat's: jitter in the heartbeats' timing must not hide the same hang
             hang_step = verdict.record["hang_step"]
             if cause == "hang" and previous.get("cause") == "hang" and previous.get("hang_step") == hang_step:
                 return verdict(False, cause, f"hung again at step {hang_step} without a newer checkpoint "
