@@ -184,6 +184,33 @@ def test_a_rank_stuck_outside_collectives_is_named_though_every_rank_fires(tmp_p
     assert "not inside a collective" in found["evidence"]
 
 
+OWN_LOOP = """
+import sys, time, ftkit
+with ftkit.FaultTolerance(sys.argv[1], state={}) as ft:
+    for step in range(8):  # a loop of your own (steps the watchdog's polls each see)
+        time.sleep(0.3)
+        ft.step(step + 1)
+    if sys.argv[2] == "disarm":
+        ft.watchdog.disarm()
+    time.sleep(6 * float(sys.argv[3]))  # a final evaluation, an upload
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("disarm", [True, False])
+def test_the_code_after_a_loop_of_your_own_is_a_step_until_disarm(tmp_path: Path, disarm: bool) -> None:
+    """docs/hangs.md: a check()/step() loop has no end the watchdog sees; ft.watchdog.disarm()
+    after it keeps the work after it from being ended as a hang."""
+    proc = subprocess.run([sys.executable, "-c", OWN_LOOP, str(tmp_path), "disarm" if disarm else "no", str(TIMEOUT)],
+                          env=env(FTKIT_HANG_TIMEOUT=str(TIMEOUT)), capture_output=True, text=True, timeout=120)
+    if disarm:
+        assert proc.returncode == 0 and "done" in proc.stdout, proc.stdout + proc.stderr
+        assert hang_events(tmp_path) == []
+    else:
+        assert proc.returncode == EXIT_HANG, proc.stdout + proc.stderr
+        assert [e["step"] for e in hang_events(tmp_path)] == [8]
+
+
 def test_off_from_the_environment_starts_no_thread_and_writes_no_heartbeat(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("FTKIT_HANG_TIMEOUT", "off")
     with ftkit.FaultTolerance(tmp_path) as ft:
