@@ -5,17 +5,23 @@
   lockstep, with a gradient all-reduce every step, is at most one step behind the rank waiting
   for it), and the step ``ftkit requeue`` compares between runs ("hung again at step N") is
   exact: it does not move with the heartbeat's timing.
+* ``ftkit status`` shows a stall the watchdog has not declared yet (a rank whose heartbeat
+  carries its stuck frame), and labels a hang of an earlier run as such.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from ftkit.cli._status import collect_status
 from ftkit.control.hangs import Heartbeat, culprit, describe
 from ftkit.errors import EXIT_HANG
 from ftkit.events import read_events
@@ -24,6 +30,7 @@ from ftkit.slurm.requeue_facts import gather
 from ftkit.slurm.requeue_policy import RequeuePolicy, decide
 from tests.ckpt_helpers import env as base_env
 from tests.ckpt_helpers import free_port
+from tests.conftest import wait_for
 
 PROGRAM = Path(__file__).parent / "programs" / "hang_train.py"
 NO_SLURM = SlurmEnv(job_id=None, restart_count=0)
@@ -143,6 +150,89 @@ def test_step_bounds_from_the_records_alone() -> None:
     assert exact["rank"] == 1 and (exact["step"], exact["step_max"], exact["step_exact"]) == (5, 5, True)
     solo = culprit([{**incident("f")[0], "peers": None, "world_size": 1}])
     assert (solo["step"], solo["step_max"], solo["step_exact"]) == (7, 7, True)
+
+
+# -- defect B: ftkit status during a stall, and after a later run -------------------------------
+
+
+def test_status_shows_a_stall_the_watchdog_has_not_declared_yet(tmp_path: Path) -> None:
+    """Rank 1 deadlocks in step 15 (outside any collective), rank 0 waits for it in the
+    all-reduce; the timeout (40 s) is far off, the heartbeat interval 5 s. Status names the
+    stall while the run is still running, with rank, step, time and frame."""
+    port = str(free_port())
+    extra = {"FTKIT_HANG_TIMEOUT": "40", "FTKIT_TEST_HANG_STEP": "15", "FTKIT_TEST_HANG_RANK": "1"}
+    procs = [start(tmp_path, "--steps", "100000", "--step-time", "0.01", "--every", "1000", rank=r, world=2,
+                   port=port, **extra) for r in range(2)]
+    try:
+        def stalled() -> dict | None:
+            status = collect_status(tmp_path, events=0)
+            return status if {s["rank"] for s in status["stalled"]} == {0, 1} else None
+
+        status = wait_for(stalled, 90, interval=0.5, what="both heartbeats showing the stall")
+        assert all(p.poll() is None for p in procs)  # not declared: still running
+        assert status["running"] and status["hang"] is None
+        first, second = status["stalled"]
+        assert first["rank"] == 1 and first["step"] == 14 and first["waiting"] is False
+        assert first["frame"].endswith("in _deadlock") and first["seconds"] >= 5 and first["running"]
+        assert second["rank"] == 0 and second["waiting"] is True and second["step"] == 14
+        out = subprocess.run([sys.executable, "-m", "ftkit", "status", str(tmp_path), "--events", "0"],
+                             capture_output=True, text=True, env=env(COLUMNS="300"), timeout=60)
+        assert out.returncode == 0, out.stderr
+        text = " ".join(out.stdout.split())
+        assert "stalled: rank 1 on" in text and "completed no step for" in text and "(last step 14)" in text, text
+        assert "in _deadlock" in text and "outside any collective" in text and "rank 0" in text, text
+        as_json = json.loads(subprocess.run([sys.executable, "-m", "ftkit", "status", str(tmp_path), "--json"],
+                                            capture_output=True, text=True, env=env(), timeout=60).stdout)
+        assert [s["rank"] for s in as_json["stalled"]] == [1, 0]
+    finally:
+        for p in procs:
+            p.kill()
+        finish(procs)
+
+
+def test_a_stopped_rank_shows_as_a_stall_by_its_stale_heartbeat(tmp_path: Path) -> None:
+    """A SIGSTOPped rank writes nothing: its heartbeat grows old while the run runs."""
+    port = str(free_port())
+    procs = [start(tmp_path, "--steps", "100000", "--step-time", "0.01", "--every", "1000", rank=r, world=2,
+                   port=port, FTKIT_HANG_TIMEOUT="40") for r in range(2)]
+    try:
+        wait_for(lambda: (tmp_path / "ready-rank1").exists() and (tmp_path / "heartbeats" / "rank1.json").exists()
+                 and (json.loads((tmp_path / "heartbeats" / "rank1.json").read_text()).get("step") or 0) >= 10,
+                 90, what="rank 1 training")
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        time.sleep(0.5)
+
+        def stalled() -> dict | None:
+            status = collect_status(tmp_path, events=0)
+            return status if any(s["rank"] == 1 and s["running"] is False for s in status["stalled"]) else None
+
+        status = wait_for(stalled, 60, interval=0.5, what="rank 1's heartbeat going stale")
+        first = status["stalled"][0]
+        assert first["rank"] == 1 and first["running"] is False and first["heartbeat_age"] > 3 * 5
+    finally:
+        for p in procs:
+            p.kill()
+        finish(procs)
+
+
+def test_a_hang_of_an_earlier_run_is_labelled_once_a_later_run_completed(tmp_path: Path) -> None:
+    port = str(free_port())
+    extra = {"FTKIT_HANG_TIMEOUT": "3", "FTKIT_TEST_HANG_STEP": "12"}
+    proc = start(tmp_path, "--steps", "30", "--save-every", "5", rank=0, world=1, port=port, **extra)
+    out = finish([proc])[0]
+    assert proc.returncode == EXIT_HANG, out
+    during = collect_status(tmp_path, events=0)
+    assert during["hang"]["this_run"] is True and not during["running"]
+    rerun = start(tmp_path, "--steps", "30", "--save-every", "5", rank=0, world=1, port=str(free_port()),
+                  FTKIT_HANG_TIMEOUT="3")
+    out = finish([rerun])[0]
+    assert rerun.returncode == 0, out
+    after = collect_status(tmp_path, events=0)
+    assert after["hang"]["this_run"] is False and after["hang"]["run"]["restart_count"] == 0
+    assert after["stalled"] == []
+    text = " ".join(subprocess.run([sys.executable, "-m", "ftkit", "status", str(tmp_path), "--events", "0"],
+                                   capture_output=True, text=True, env=env(COLUMNS="300"), timeout=60).stdout.split())
+    assert "an earlier run" in text and "hung: rank 0" in text and "later run completed" in text, text
 
 
 if __name__ == "__main__":  # pragma: no cover

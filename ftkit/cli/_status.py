@@ -154,13 +154,18 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
                     + (" (enough)" if time_left > 2 * save_estimate else " (TIGHT)"))
     elif time_left is not None:  # no save measured yet: the time left all the same
         verdict += f"; {time_left:.0f} s left, no save measured yet"
+    run_starts = [e for e in starts if e["time"] > began and last_start is not None
+                  and e.get("job_id") == last_start.get("job_id")
+                  and e.get("restart_count") == last_start.get("restart_count")]
+    stalled = _stalls(job.root, last_start, run_starts, now) if running and last_start is not None else []
     return {
         "jobdir": str(job.root),
         "time": now,
         "running": running,
         "slurm": slurm,
         "lease": lease,
-        "hang": culprit(log),
+        "hang": _which_run(culprit(log), log),
+        "stalled": stalled,
         "save_switch": switch_is_set(job, "save"),
         "kill_switch": switch_is_set(job, "kill"),
         "requests": requests,
@@ -176,6 +181,79 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
         "events": log[-events:] if events > 0 else [],
         "events_logged": len(log),
     }
+
+
+def _which_run(found: dict[str, Any] | None, log: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The newest hang (:func:`ftkit.control.hangs.culprit`) with the run it happened in:
+    ``this_run`` (no run started after it), ``run`` (job id, restart count, start time of
+    that run) and ``after`` (what later runs did, in words; None for this run's hang)."""
+    if found is None:
+        return None
+    from ..control.hangs import last_incident
+
+    incident = {id(e) for e in last_incident(log)}
+    hang_at = max(i for i, e in enumerate(log) if id(e) in incident)
+    before = [e for e in log[:hang_at] if e.get("event") == "start"]
+    lead = [e for e in before if e.get("rank", 0) == 0] or before
+    began = lead[-1] if lead else {}
+    later = [e for e in log[hang_at + 1:] if e.get("event") in ("start", "exit")]
+    later_starts = [e for e in later if e["event"] == "start" and e.get("rank", 0) == 0] or \
+        [e for e in later if e["event"] == "start"]
+    after = None
+    if later_starts:
+        done = [e for e in later if e["event"] == "exit" and e.get("completed")]
+        n = len({(e.get("job_id"), e.get("restart_count"), round(e["time"])) for e in later_starts})
+        after = (f"a later run completed training (step {done[-1].get('step')})" if done else
+                 f"{n} later run{'s' if n > 1 else ''} started since")
+    return {**found, "this_run": not later_starts, "after": after,
+            "run": {"job_id": began.get("job_id"), "restart_count": began.get("restart_count"),
+                    "start_time": began.get("time")}}
+
+
+def _stalls(root: Path, start: dict[str, Any], run_starts: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
+    """The ranks of the running run that show a stall in their heartbeats
+    (``JOBDIR/heartbeats/rank{R}.json``), most suspect first: one whose step is overdue (its
+    watchdog writes the main thread's frame once the step has taken longer than a heartbeat
+    interval), or whose heartbeat is stale (older than three intervals: the process is not
+    running: stopped, killed, its node lost). Before the watchdog declares anything."""
+    from ..control.hangs import Heartbeat, suspicion
+
+    world = start.get("world_size") if isinstance(start.get("world_size"), int) else 1
+    since = min((e["time"] for e in run_starts), default=start["time"]) - 60.0  # heartbeats precede the start
+    job = start.get("job_id")
+    found = []
+    for path in sorted((root / "heartbeats").glob("rank*.json")):
+        try:
+            beat = Heartbeat.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError, KeyError):
+            continue
+        if beat.rank >= world or beat.written < since or (job and beat.job and str(beat.job) != str(job)):
+            continue  # another run's, or another job's
+        beat = beat.seen(now)
+        if beat.running and beat.frame is None:
+            continue
+        found.append(beat)
+    found.sort(key=suspicion)
+    return [{
+        "rank": b.rank, "host": b.host, "pid": b.pid, "step": b.step, "running": b.running,
+        "seconds": None if b.last_step_wall is None else round(max(now - b.last_step_wall, 0.0), 1),
+        "frame": b.frame, "waiting": b.waiting, "phase": b.phase, "heartbeat_age": b.age,
+        "heartbeat_interval": b.interval,
+    } for b in found]
+
+
+def _stall_line(s: dict[str, Any]) -> str:
+    """One stalled rank in words (plain text)."""
+    who = f"rank {s['rank']} on {s.get('host') or '?'}"
+    if s["running"] is False:
+        return (f"{who}: its heartbeat is {s['heartbeat_age']:.0f} s old (written every {s['heartbeat_interval']:g} s): "
+                f"its process is not running (stopped, killed, or its node was lost); last step {s['step']} or later")
+    took = "" if s["seconds"] is None else f" for {s['seconds']:.0f} s"
+    phase = f"; in {s['phase']}" if s.get("phase") else ""
+    where = "waiting inside a collective" if s.get("waiting") else \
+        "outside any collective" if s.get("waiting") is False else ""
+    return (f"{who} has completed no step{took} (last step {s['step']}{phase}), in {s['frame']}"
+            + (f" ({where})" if where else ""))
 
 
 def _found_broken(log: list[dict[str, Any]]) -> dict[str, str]:
@@ -270,10 +348,24 @@ def _status(args: argparse.Namespace) -> int:
     root = status["checkpoint_root"]
     if root["found_in"] and root["exists"]:
         console.print(escape(f"checkpoints in {root['described']}"), highlight=False)
-    if status["hang"]:
+    for i, s in enumerate(status["stalled"]):
+        colour = "bold red" if i == 0 else "yellow"
+        note = "; the hang watchdog has not declared a hang (yet)" if i == 0 else ""
+        console.print(f"[{colour}]stalled: {escape(_stall_line(s) + note)}[/]", highlight=False)
+    hang = status["hang"]
+    if hang and hang.get("this_run", True):
         from ..control.hangs import describe
 
-        console.print(f"[bold red]{escape(describe(status['hang']))}[/]", highlight=False)
+        console.print(f"[bold red]{escape(describe(hang))}[/]", highlight=False)
+    elif hang:
+        from ..control.hangs import describe
+
+        run = hang.get("run") or {}
+        which = (f"job {run['job_id']} restart {run.get('restart_count') or 0}" if run.get("job_id") else
+                 "started " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run["start_time"]))
+                 if run.get("start_time") else "")
+        text = f"an earlier run{f' ({which})' if which else ''} {describe(hang).replace('hang: ', 'hung: ', 1)}"
+        console.print(escape(text + (f"; {hang['after']}" if hang.get("after") else "")), style="dim", highlight=False)
     if status["checkpoints"]:
         table = Table("step", "age", "size", "status", "pinned", title="checkpoints")
         table.add_column("why", overflow="fold")  # a long path folds, whole
