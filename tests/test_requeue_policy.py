@@ -651,3 +651,44 @@ def test_a_run_that_cannot_be_recorded_is_never_requeued_by_ftkit(jobdir, env, l
         assert "nothing was requeued" not in out.message and out.message.startswith("ftkit requeue: requeued job")
     assert not list((jobdir / "requests").iterdir())
     assert [e["event"] for e in read_events(jobdir / "events.jsonl")][-1] == "requeue"
+
+
+def test_a_displaced_restarts_requeue_does_not_end_the_live_restart(jobdir) -> None:
+    """Split brain: SLURM took restart 0's node for lost and started restart 1 elsewhere; restart
+    0's trainer ran on, lost the lease, wrote its exit and its batch script's `ftkit requeue`
+    wrote a `requeue` event, all after restart 1 started. Restart 1's own requeue (SIGUSR1,
+    asked for) found no run after that event: "left no ftkit exit record", not requeued, and
+    the job ended COMPLETED unfinished (found by a user trial)."""
+    log = EventLog(jobdir / "events.jsonl")
+    log.emit("start", world_size=1, job_id="100", restart_count=0, pid=11)
+    log.emit("start", world_size=1, job_id="100", restart_count=1, pid=22)
+    log.emit("exit", step=60, completed=False, requeue=None, reasons=[], pid=11,
+             error="LeaseLostError: another run took over the job dir's lease")
+    log.emit("requeue", requeue=False, reason="the trainer stopped for good", job_id="100", restart_count=0)
+    log.emit("exit", step=95, completed=False, requeue=True, reasons=["SIGUSR1 received"], pid=22)
+    env = SlurmEnv(job_id="100", restart_count=1, job_name="train", partition="low")
+    d = run_decide(jobdir, env, FakeScontrol(job_line(restarts=1)), rc=0, step=95)
+    assert d.requeue and "SIGUSR1" in d.reason, d.reason
+
+
+def test_an_ftkit_requeue_typed_while_the_run_trains_is_not_its_end(jobdir, env) -> None:
+    log = EventLog(jobdir / "events.jsonl")
+    log.emit("start", world_size=1, job_id="100", restart_count=0, pid=11)
+    log.emit("requeue", requeue=False, reason="the program exited with code 0 and left no ftkit exit record",
+             job_id="100", restart_count=0)  # typed by hand (srun --overlap) while the run trained
+    log.emit("progress", step=40, pid=11)
+    log.emit("exit", step=41, completed=False, requeue=True, reasons=["SIGUSR1 received"], pid=11)
+    d = run_decide(jobdir, env, FakeScontrol(RUNNING), rc=0, step=40)
+    assert d.requeue and "SIGUSR1" in d.reason, d.reason
+
+
+def test_ftkit_requeue_run_twice_for_one_run_does_nothing_the_second_time(jobdir, env) -> None:
+    trainer_run(jobdir, exit={"requeue": True, "reasons": ["SIGUSR1 received"]})
+    fake = FakeScontrol(RUNNING)
+    first = finish_run(jobdir, exit_code=0, env=env, runner=fake, checkpoints_lookup=steps(10), saver_wait=0)
+    assert first.decision.requeue and fake.requeued == ["100"]
+    again = finish_run(jobdir, exit_code=0, env=env, runner=fake, checkpoints_lookup=steps(10), saver_wait=0)
+    assert not again.decision.requeue and fake.requeued == ["100"], again.message
+    assert again.message.startswith("ftkit requeue: not requeued again: this run was handled already"), again.message
+    assert again.exit_code == 0
+    assert len(rq.read_runs(jobdir / "runs.json")) == 1

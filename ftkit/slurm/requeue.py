@@ -223,6 +223,9 @@ def finish_run(
                                                 seconds=round(seconds, 3))
     decision = decide(jobdir, exit_code=exit_code, env=env, policy=policy, runner=runner,
                       checkpoints_lookup=checkpoints_lookup, clock=clock)
+    if decision.cause == requeue_policy.HANDLED:  # run twice: the first recorded and did it all
+        return RunOutcome(decision=decision, action=None, message=f"ftkit requeue: not requeued again: {decision.reason}",
+                          exit_code=decision.exit_code)
     target = env.requeue_target or "(no job)"
     if dry_run:
         what = f"would requeue job {target}" if decision.requeue else "would not requeue"
@@ -264,7 +267,7 @@ def finish_run(
         write_runs(job.runs, [*runs, record])
     EventLog(job.events).emit(
         "requeue", requeue=bool(record["requeue"]), reason=decision.reason, cause=decision.cause,
-        method=record["method"], job_id=env.job_id, new_job_id=record.get("new_job_id"),
+        method=record["method"], job_id=env.job_id, restart_count=env.restart_count, new_job_id=record.get("new_job_id"),
         exit_code=decision.training_exit_code, requeues=decision.requeues, step=decision.run.get("end_step"),
         error=error, spent_requests=[Path(p).name for p in decision.spent_requests],
     )

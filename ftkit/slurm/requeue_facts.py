@@ -73,6 +73,8 @@ class RunFacts:
     """The hang watchdog's event, when it fired."""
     refused: Mapping[str, Any] | None = None
     """The ``lease-refused`` event this run wrote: another run held the job dir."""
+    handled: Mapping[str, Any] | None = None
+    """The ``requeue`` event of an ``ftkit requeue`` that handled this run already (run twice)."""
     clean: bool = False
     """Every rank wrote an ``exit`` event without an error (:func:`_clean_exit`)."""
     kill_switch: bool = False
@@ -196,12 +198,12 @@ def gather(
     root = checkpoint_root(job.root, all_events)
     end_step = (checkpoints_lookup(root.path) if checkpoints_lookup is not None
                 else newest_checkpoint_step(root.path, hf=root.hf))
-    run_events = _this_run(all_events, env)
+    run_events, handled = _this_run(all_events, env)
     start = _last(run_events, "start")
     return RunFacts(
         jobdir=job, env=env, exit_code=int(exit_code), slurm_job=info,
         start=start, exit=_last(run_events, "exit"), resumed=_last(run_events, "resume"),
-        hang=_hang(run_events), refused=lease_refused(all_events, env),
+        hang=_hang(run_events), refused=lease_refused(all_events, env), handled=handled,
         clean=_clean_exit(run_events, start),
         kill_switch=switch_is_set(job, "kill"),
         requests=tuple((str(path), _contents(path)) for path in request_files(job)),
@@ -253,21 +255,55 @@ def write_runs(path: str | os.PathLike[str], runs: list[dict[str, Any]]) -> None
     atomic_write(path, (json.dumps({"version": 1, "runs": runs}, indent=1, default=str) + "\n").encode())
 
 
-def _this_run(events: list[dict[str, Any]], env: SlurmEnv) -> list[dict[str, Any]]:
-    """The events of the run that just ended: after the last ``requeue`` event (the end of
-    the previous run), from the last rank 0 ``start`` of this job id and restart count on
-    (the first ``start`` of any rank where no rank 0 wrote one). The last, not the first:
+_TRAINERS = ("start", "exit", "resume")
+"""Records only the trainer's own processes write: another run's (a displaced restart of the
+same job, its lease lost, writes its exit after this run started) are not this run's."""
+
+
+def _same_run(e: Mapping[str, Any], env: SlurmEnv) -> bool:
+    """``e`` (a ``start`` or ``requeue`` event) belongs to this job id and restart count (a
+    ``requeue`` event of an earlier release has no restart count: taken as this run's)."""
+    restart = e.get("restart_count")
+    return e.get("job_id") == env.job_id and (restart is None or int(restart) == env.restart_count)
+
+
+def _started_this_run(e: Mapping[str, Any], env: SlurmEnv) -> bool:
+    return (e.get("event") == "start" and e.get("job_id") == env.job_id
+            and int(e.get("restart_count") or 0) == env.restart_count)
+
+
+def _this_run(events: list[dict[str, Any]], env: SlurmEnv) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The events of the run that just ended, and the ``requeue`` event that handled it already
+    (an ``ftkit requeue`` run twice for it), else None.
+
+    From the last rank 0 ``start`` of this job id and restart count on (the first ``start`` of
+    any rank after the last ``requeue`` where no rank 0 wrote one). The last, not the first:
     outside SLURM every run has no job id, and a batch script or a launcher's restart may start
     several runs in one job, each of which ends the one before (an ``ftkit requeue`` after a
-    crash must not read an earlier run's clean exit as this run's)."""
-    last_end = max((i for i, e in enumerate(events) if e.get("event") == "requeue"), default=-1)
-    block = events[last_end + 1 :]
-    ours = [i for i, e in enumerate(block) if e.get("event") == "start" and e.get("job_id") == env.job_id
-            and int(e.get("restart_count") or 0) == env.restart_count]
-    leaders = [i for i in ours if block[i].get("rank", 0) == 0]
+    crash must not read an earlier run's clean exit as this run's). The trainer's records count
+    from its own processes only (:data:`_TRAINERS`), and a ``requeue`` event ends the run only
+    when it is this run's and came after the trainer's last record: a restart displaced by this
+    one (a node SLURM took for lost while its trainer ran on) ends with an ``ftkit requeue`` of
+    its own, and an ``ftkit requeue`` typed while the run trains is not its end either; either
+    made this run's own ``ftkit requeue`` find no run, and a requeue it asked for was refused."""
+    ours = [i for i, e in enumerate(events) if _started_this_run(e, env)]
+    leaders = [i for i in ours if events[i].get("rank", 0) == 0]
     if leaders:
-        return block[leaders[-1]:]
-    return block[ours[0]:] if ours else []
+        begin = leaders[-1]
+    else:
+        last_end = max((i for i, e in enumerate(events) if e.get("event") == "requeue"), default=-1)
+        later = [i for i in ours if i > last_end]
+        if not later:
+            return [], None
+        begin = later[0]
+    block = events[begin:]
+    procs = {e.get("pid") for e in block if _started_this_run(e, env)}
+    run = [e for e in block if e.get("event") not in _TRAINERS or e.get("pid") in procs]
+    last_own = max((float(e.get("time", 0.0)) for e in run if e.get("event") in _TRAINERS), default=0.0)
+    for i, e in enumerate(run):
+        if e.get("event") == "requeue" and _same_run(e, env) and float(e.get("time", 0.0)) >= last_own:
+            return run[:i], e
+    return run, None
 
 
 def _last(events: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:

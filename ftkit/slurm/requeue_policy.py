@@ -21,6 +21,7 @@ requeue behind it, and the script has ``KillWait`` seconds left.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,8 @@ __all__ = [
 ]
 
 EXIT_UNFINISHED = 75
+HANDLED = "handled already"
+"""The cause of a second ``ftkit requeue`` for one run: nothing is recorded or done again."""
 """sysexits' EX_TEMPFAIL: the run exited cleanly and wanted a requeue, but none happened."""
 
 _FALLBACKS = ("resubmit", "none")
@@ -199,6 +202,12 @@ def _hang_text(hang: Mapping[str, Any] | None) -> str:
 def decide(facts: RunFacts, policy: RequeuePolicy) -> RequeueDecision:
     """Whether the run ``facts`` describe goes back to the queue, and why."""
     verdict = _Verdict(facts, policy)
+    handled = facts.handled
+    if handled is not None:  # `ftkit requeue` run twice for one run: the second changes nothing
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(handled.get("time", 0.0))))
+        did = "requeued" if handled.get("requeue") else "not requeued"
+        return verdict(False, HANDLED, f"this run was handled already by an ftkit requeue at {when} ({did}: "
+                       f"{handled.get('reason')}); nothing more to do", code=0 if handled.get("requeue") else None)
     done = _never_had_the_job_dir(facts, verdict)
     if done is None:
         done = _stopped_for_good(facts, verdict)
