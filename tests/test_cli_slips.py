@@ -146,3 +146,21 @@ def test_status_refuses_a_negative_number_of_events(tmp_path: Path) -> None:
             pass
     r = cli("status", "--events", "-3", str(tmp_path))
     assert r.returncode == 2 and "--events: a number of events >= 0" in said(r), said(r)
+
+
+def test_status_of_a_job_dir_taken_over_by_a_restart_says_running(tmp_path: Path) -> None:
+    """Split brain: restart 0's trainer ran on after SLURM took its node for lost; it wrote its
+    exit (lease lost) after restart 1 started. The restart that trains now is running."""
+    import json
+
+    from ftkit.events import EventLog
+
+    log = EventLog(tmp_path / "events.jsonl")
+    log.emit("start", world_size=1, job_id="37", restart_count=0, pid=11)
+    log.emit("start", world_size=1, job_id="37", restart_count=1, pid=22)
+    log.emit("exit", step=60, completed=False, requeue=None, reasons=[], pid=11, error="LeaseLostError")
+    r = cli("status", "--json", str(tmp_path))
+    assert r.returncode == 0, said(r)
+    assert json.loads(r.stdout)["running"] is True
+    log.emit("exit", step=95, completed=False, requeue=True, reasons=["SIGUSR1 received"], pid=22)
+    assert json.loads(cli("status", "--json", str(tmp_path)).stdout)["running"] is False

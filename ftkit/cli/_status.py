@@ -92,8 +92,16 @@ def collect_status(jobdir: Path, *, events: int = 10) -> dict[str, Any]:
     root = checkpoint_root(job.root, log)
     starts = [e for e in log if e.get("event") == "start"]
     last_start = starts[-1] if starts else None
+    # the last run's own exit: a displaced restart of the same job (its node taken for lost while
+    # its trainer ran on) writes its exit after the run that took the job dir over started
     exits = [e for e in log if e.get("event") == "exit"]
-    running = last_start is not None and (not exits or exits[-1]["time"] < last_start["time"])
+    if last_start is not None:
+        ident = (last_start.get("job_id"), int(last_start.get("restart_count") or 0))
+        pids = {e.get("pid") for e in starts if (e.get("job_id"), int(e.get("restart_count") or 0)) == ident}
+        ended = [e for e in exits if e.get("pid") in pids]
+    else:
+        ended = exits
+    running = last_start is not None and (not ended or ended[-1]["time"] < last_start["time"])
     lease = lease_status(job.root, now=now)
     if running and lease is not None and lease["state"] in ("dead", "released"):
         running = False  # its process is gone without an exit event (kill -9, a crash)
