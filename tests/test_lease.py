@@ -179,7 +179,7 @@ def test_a_second_job_dir_on_the_same_checkpoint_root_is_refused_while_the_first
     """Two job dirs whose scripts name one absolute checkpoint root (a job dir copied, a script
     reused): each job dir's lease is free, but the second run is refused (exit 86, naming the
     root and the other job dir) while the first runs, and changes nothing; once the first has
-    ended, the second runs there."""
+    ended, the second runs there, saying whose checkpoints it takes over."""
     root, first_dir, second_dir = tmp_path / "scratch" / "ckpt", tmp_path / "a", tmp_path / "b"
     first = launch(first_dir, tmp_path / "ctl", "--hold-at", "5", "--root", str(root))
     try:
@@ -199,6 +199,9 @@ def test_a_second_job_dir_on_the_same_checkpoint_root_is_refused_while_the_first
     ((rc, err),) = finish(launch(second_dir, tmp_path / "ctl3", "--root", str(root)), timeout=120)
     assert rc == 0, err
     assert (root / "job-dir").read_text().strip() == str(second_dir.resolve())
+    # taken over, with a word: it resumes from the other job dir's checkpoints and deletes them
+    assert (f"checkpoint root {root} was last used by another job dir, {first_dir.resolve()}" in " ".join(err.split())
+            and "takes it over" in err), err
 
     # the job dir moved, a link left at its old path: still the same job dir, never refused
     moved = tmp_path / "b-moved"

@@ -206,6 +206,13 @@ class Lease:
                     f"see {owner_file}): two runs must not write one checkpoint root. Give this job dir "
                     f"({mine}) a checkpoint.root of its own, or stop that run first. This run changed nothing",
                     held)
+            if other is not None and other != mine and self._another_job_dir(other, mine):
+                # its run is over (else refused above); a reused script naming the same root would
+                # resume another experiment's weights without a word, and retention delete them
+                log.warning("checkpoint root %s was last used by another job dir, %s (%s): this job dir (%s) "
+                            "takes it over: its run resumes from that job dir's checkpoints and its retention "
+                            "deletes them. Intended for a job dir copied or moved; else give this one a "
+                            "checkpoint.root of its own", root, other, owner_file, mine)
             if other != mine:
                 atomic_write(owner_file, f"{mine}\n".encode())
         except (OSError, UnicodeDecodeError) as exc:
@@ -213,6 +220,14 @@ class Lease:
                         "would go unseen", root, mine, getattr(exc, "strerror", None) or exc)
         finally:
             os.close(fd)  # drops the lock
+
+    @staticmethod
+    def _another_job_dir(other: Path, mine: Path) -> bool:
+        """``other`` is a job dir that still exists, not ``mine`` under another path."""
+        try:
+            return other.is_dir() and _is_job_dir_path(other) and not os.path.samefile(other, mine)
+        except OSError:
+            return False
 
     def _runs_elsewhere(self, other: Path, mine: Path) -> bool:
         """Whether ``other``, named by a checkpoint root's ``job-dir``, is another job dir than
@@ -399,6 +414,12 @@ def agree_refused(refused: int, group: Any, device: str | None = None) -> int:
     flag = torch.tensor([int(refused)], dtype=torch.int32, device=device or flag_device(group))
     all_reduce_max(flag, group)
     return int(flag.item())
+
+
+def _is_job_dir_path(path: Path) -> bool:
+    """``path`` holds a job dir's own files (events log, lease): not a directory left empty."""
+    job = JobDir.of(path)
+    return job.events.exists() or job.lease.exists()
 
 
 def _destroy_group_at_exit() -> None:
