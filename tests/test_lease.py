@@ -159,12 +159,13 @@ def test_a_copy_of_a_job_dir_in_use_runs_and_leaves_the_original_alone(tmp_path:
                                 capture_output=True, text=True, timeout=60)
         said = json.loads(status.stdout)
         assert said["running"] is False and said["lease"]["state"] == "dead", said["lease"]
-        assert f"pid {pid} on" in said["lease"]["description"] and "does not hold" in said["lease"]["description"]
+        assert f"pid {pid} on" in said["lease"]["description"], said["lease"]
+        assert f"the record names another job dir, {original.resolve()}" in said["lease"]["description"]
         assert lease_status(original)["state"] == "held"
         ((rc, err),) = finish(launch(copy, tmp_path / "ctl2"))
         assert rc == 0, err
         (takeover,) = events(copy, "lease-takeover")
-        assert takeover["previous"]["pid"] == pid and "does not hold" in takeover["reason"]
+        assert takeover["previous"]["pid"] == pid and "the record names another job dir" in takeover["reason"]
         assert_all_checkpoints_valid(copy)
         assert lease_status(original)["state"] == "held" and lease_status(original)["pid"] == pid
         assert events(original, "lease-takeover") == [] and events(original, "lease-lost") == []
@@ -517,3 +518,36 @@ def test_a_holder_resumed_mid_heartbeat_while_the_next_run_holds_stops_and_leave
     assert [e["pid"] for e in events(jobdir, "lease-lost")] == [pid]
     assert_all_checkpoints_valid(jobdir)
     assert lease_status(jobdir)["state"] == "released" and lease_status(jobdir)["job_id"] == "200"
+
+
+def test_a_copy_made_on_another_node_of_a_job_dir_in_use_is_taken_over(tmp_path: Path) -> None:
+    """``cp -a`` of a job dir whose run holds it on another node: the copy's lease.json names
+    that run, with a fresh heartbeat, and this node cannot see its lock. It was refused (exit
+    86, advising to end the healthy original's run); the record names the original job dir,
+    which exists and is not this one, so the copy's lease is free (found by a user trial)."""
+    from dataclasses import replace
+
+    from ftkit.lease import LeaseRecord
+
+    original, copy = tmp_path / "job", tmp_path / "copy"
+    original.mkdir()
+    now = time.time()
+    held = LeaseRecord(job_id="38", restart_count=0, host="n-elsewhere", pid=4242, started=now - 60, heartbeat=now,
+                       boot_id="another-kernel", job_dir=str(original.resolve()))
+    (original / "lease.json").write_bytes(held.to_json())
+    shutil.copytree(original, copy)
+    status = subprocess.run([sys.executable, "-m", "ftkit", "status", "--json", str(copy)], capture_output=True,
+                            text=True, timeout=60)
+    said = json.loads(status.stdout)
+    assert said["running"] is False and said["lease"]["state"] == "dead", said["lease"]
+    with ftkit.FaultTolerance(copy, state={}) as ft:
+        assert list(ft.range(2)) == [0, 1]
+    (takeover,) = [e for e in read_events(copy / "events.jsonl") if e["event"] == "lease-takeover"]
+    assert "the record names another job dir" in takeover["reason"], takeover
+    assert LeaseRecord.read(original / "lease.json") == held  # the original's is its own
+    # a job dir moved away (nothing at the record's path): not taken for a copy
+    (tmp_path / "moved").mkdir()
+    gone = replace(held, job_dir=str(tmp_path / "was-here"))
+    (tmp_path / "moved" / "lease.json").write_bytes(gone.to_json())
+    with pytest.raises(ftkit.JobDirBusyError):
+        ftkit.FaultTolerance(tmp_path / "moved", state={}).__enter__()

@@ -99,7 +99,7 @@ class Lease:
                                   attempt=_int_env("TORCHELASTIC_RESTART_COUNT"), host=socket.gethostname(),
                                   pid=os.getpid(), world_size=world_size, started=now, heartbeat=now,
                                   heartbeat_every=config.heartbeat, stale_after=config.stale_after,
-                                  boot_id=boot_id())
+                                  boot_id=boot_id(), job_dir=_resolved(job.root))
         self._fd: int | None = None
         self._key: tuple[int, int] | None = None
         self._stop = threading.Event()
@@ -414,6 +414,13 @@ def agree_refused(refused: int, group: Any, device: str | None = None) -> int:
     flag = torch.tensor([int(refused)], dtype=torch.int32, device=device or flag_device(group))
     all_reduce_max(flag, group)
     return int(flag.item())
+
+
+def _resolved(path: Path) -> str | None:
+    try:
+        return str(path.resolve())
+    except OSError:
+        return None
 
 
 def _is_job_dir_path(path: Path) -> bool:

@@ -90,6 +90,9 @@ class LeaseRecord:
     """The holder's kernel (``/proc/sys/kernel/random/boot_id``): a host name alone does not
     tell one machine (containers on two machines may share one), and only this kernel's own
     locks and processes are certain. None in a record of an older ftkit."""
+    job_dir: str | None = None
+    """The job dir the holder took the lease of (resolved): a record in another directory came
+    with a copy of that job dir (``cp -a`` while its run held it). None in an older record."""
 
     def to_json(self) -> bytes:
         return (json.dumps({"format": "ftkit-lease", "version": 1, **asdict(self)}, indent=1) + "\n").encode()
@@ -110,6 +113,7 @@ class LeaseRecord:
                 released=None if raw.get("released") is None else float(raw["released"]),
                 token=str(raw.get("token") or ""),
                 boot_id=None if raw.get("boot_id") is None else str(raw["boot_id"]),
+                job_dir=None if raw.get("job_dir") is None else str(raw["job_dir"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"bad lease record field: {exc!r}") from None
@@ -192,6 +196,10 @@ def judge(held: LeaseRecord | None, me: LeaseRecord, *, lock_free: bool, now: fl
         if lock_free:
             return Verdict("free")
         return Verdict("busy", "its lock is held by a process that wrote no current record")
+    if lock_free and held.job_dir is not None and me.job_dir is not None and _other_dir(held.job_dir, me.job_dir):
+        # a copy of a job dir in use on another node (on this one, its lock says as much: below)
+        return Verdict("takeover", f"the record names another job dir, {held.job_dir}, whose lease that run "
+                       f"holds: it came with a copy of that job dir (cp -a while it ran)")
     if not lock_free and _same_host(held, me) and pid_alive(held.pid):
         age = now - held.heartbeat
         hung = f"; its heartbeat is {age:.0f} s old: if it hangs, end it (kill {held.pid})" if age > held.heartbeat_every * 3 else ""
@@ -216,6 +224,15 @@ def judge(held: LeaseRecord | None, me: LeaseRecord, *, lock_free: bool, now: fl
         return Verdict("takeover", f"no heartbeat for {age:.0f} s (stale after {limit:g} s: its node is taken to be lost)")
     return Verdict("busy", f"its last heartbeat was {max(age, 0.0):.0f} s ago (taken over after {limit:g} s without one; "
                    "if that run is gone for sure, remove lease.json to free the job dir now)")
+
+
+def _other_dir(held: str, mine: str) -> bool:
+    """``held`` is a directory that exists and is not ``mine`` (a job dir moved away leaves no
+    directory at its old path: there the record's run may still be this job dir's)."""
+    try:
+        return os.path.isdir(held) and not os.path.samefile(held, mine)
+    except OSError:
+        return False
 
 
 def pid_alive(pid: int) -> bool:
@@ -252,7 +269,11 @@ def lease_status(job_dir: str | os.PathLike[str], *, now: float | None = None) -
     state = "released" if record.released is not None else ("stale" if age > record.stale_after else "held")
     description = record.describe(now)
     here = replace(record, host=socket.gethostname(), boot_id=boot_id(), pid=os.getpid())
-    if state != "released" and _same_host(record, here) and not pid_alive(record.pid):
+    if state != "released" and record.job_dir is not None and _other_dir(record.job_dir, str(job.root.resolve())):
+        state = "dead"  # judge's takeover: a copy of a job dir in use, made on any node
+        description = (f"not held: the record names another job dir, {record.job_dir} ({record.holder}); it came "
+                       "with a copy of that job dir; the next run here takes it over at once")
+    elif state != "released" and _same_host(record, here) and not pid_alive(record.pid):
         state = "dead"  # kill -9, a crash: the next run on this host takes it over at once
         description = (f"not released by {record.holder}, whose process is gone (killed or crashed); "
                        "the next run takes it over at once")
