@@ -24,15 +24,9 @@ def said(r: subprocess.CompletedProcess) -> str:
 
 
 @pytest.fixture
-def read_only(tmp_path: Path):
-    """A directory on a real read-only filesystem (a tmpfs remounted ro; mounting needs root)."""
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+def read_only(small_fs: Path) -> Path:
+    """A directory on a real tmpfs that the test remounts read-only (:func:`remount_ro`)."""
+    return small_fs
 
 
 def remount_ro(mnt: Path) -> None:

@@ -31,6 +31,7 @@ from ftkit.slurm.requeue_policy import RequeuePolicy, decide
 from tests.ckpt_helpers import env as base_env
 from tests.ckpt_helpers import free_port
 from tests.conftest import wait_for
+from tests.test_watchdog import finish
 
 PROGRAM = Path(__file__).parent / "programs" / "hang_train.py"
 NO_SLURM = SlurmEnv(job_id=None, restart_count=0)
@@ -45,16 +46,6 @@ def start(jobdir: Path, *args: str, rank: int, world: int, port: str, **extra: s
     dist = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     return subprocess.Popen([sys.executable, str(PROGRAM), str(jobdir), *args], env=env(**dist, **extra),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def finish(procs: list[subprocess.Popen], timeout: float = 120) -> list[str]:
-    try:
-        return [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
 
 
 def hangs(jobdir: Path) -> list[dict]:
