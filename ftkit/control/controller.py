@@ -176,7 +176,8 @@ class FaultTolerance:
         self._last_check: float | None = None
         self._last_save_end = float("-inf")  # monotonic time the last save became durable
         self._last_saved_step: int | None = None
-        self._resumed_at: int | None = None  # what resume() returned: range() after it loads nothing again
+        # what resume() returned, and _last_check then: a range() right after it loads nothing again
+        self._resumed_at: tuple[int, float | None] | None = None
         self._failed_saves = 0  # saves in a row that failed (max_failed_saves)
         self._durable_seen: int | None = None  # the newest durable step _poll_background saw
         self._stopped_by_saves: int | None = None  # the count that stopped the run (its exit event says it)
@@ -492,7 +493,6 @@ class FaultTolerance:
 
     def step(self, step: int) -> Decision:
         """``check(step)``, then save if the decision (or ``save_every``) says so."""
-        self._resumed_at = None  # the script trains on from its resume(): a range() after resumes anew
         if self._background:
             self._poll_background(step)
         decision = self.check(step)
@@ -532,7 +532,9 @@ class FaultTolerance:
         # right after the script's own resume() (and what it set since: a learning rate, say),
         # the state is not loaded again over it; once only (a second range() resumes anew)
         resumed, self._resumed_at = self._resumed_at, None
-        first = start if start is not None else resumed if resumed is not None else self.resume()
+        if resumed is not None and resumed[1] != self._last_check:
+            resumed = None  # the script checked or saved since: it trained on from there
+        first = start if start is not None else resumed[0] if resumed is not None else self.resume()
         self._resumed_at = None  # the resume() just above set it
         self.watchdog.arm(first)
         # One check before the first step: a kill-switch present at start, or a signal that
@@ -598,7 +600,7 @@ class FaultTolerance:
         its own ``resume()`` (a learning rate to go on with) is not loaded over."""
         self.start()
         if self._no_save_at_start:
-            self._resumed_at = 0
+            self._resumed_at = (0, self._last_check)
             return 0
         began = self._clock()
         manager = self.checkpoints
@@ -611,8 +613,9 @@ class FaultTolerance:
         saved_world = None if loaded is None else loaded.world_size
         self.events.emit("resume", step=step, world_size=self.world_size, saved_world_size=saved_world, **timing)
         self._last_saved_step = step
-        self._resumed_at = 0 if step is None else int(step)
-        return self._resumed_at
+        first = 0 if step is None else int(step)
+        self._resumed_at = (first, self._last_check)
+        return first
 
     def save(self, step: int, *, decision: Decision | None = None, reason: str | None = None) -> Any:
         """Write a checkpoint of ``state`` at ``step`` through the manager; time it for the budget.
