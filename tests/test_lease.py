@@ -551,3 +551,31 @@ def test_a_copy_made_on_another_node_of_a_job_dir_in_use_is_taken_over(tmp_path:
     (tmp_path / "moved" / "lease.json").write_bytes(gone.to_json())
     with pytest.raises(ftkit.JobDirBusyError):
         ftkit.FaultTolerance(tmp_path / "moved", state={}).__enter__()
+
+
+def test_ftkit_requeue_typed_while_the_job_trains_changes_nothing(tmp_path: Path) -> None:
+    """`ftkit requeue JOBDIR --exit-code 1` typed in a terminal (or `srun --overlap`) while the
+    run trains on this node: it recorded a crash in runs.json and requeued the healthy job
+    (found by a user trial). The run's trainer holds the lease here, which is certain: refused,
+    naming the holder; nothing recorded. Once the run has exited, it decides as usual."""
+    jobdir = tmp_path / "job"
+    run = launch(jobdir, tmp_path / "ctl", "--hold-at", "5")
+    try:
+        (pid,) = holding(tmp_path / "ctl")
+        typed = subprocess.run([sys.executable, "-m", "ftkit", "requeue", str(jobdir), "--exit-code", "1"],
+                               capture_output=True, text=True, timeout=120, env=env())
+        said = " ".join((typed.stdout + typed.stderr).split())
+        assert typed.returncode == 2, said
+        assert f"the run in job dir {jobdir} is still training: a run outside SLURM, pid {pid} on" in said, said
+        assert not (jobdir / "runs.json").exists() and events(jobdir, "requeue") == []
+        dry = subprocess.run([sys.executable, "-m", "ftkit", "requeue", str(jobdir), "--exit-code", "1", "--dry-run"],
+                             capture_output=True, text=True, timeout=120, env=env())
+        assert dry.returncode in (0, 1) and "dry run" in dry.stdout, dry.stdout + dry.stderr  # decides, writes nothing
+    finally:
+        (tmp_path / "ctl" / "release").touch()
+        ((rc, err),) = finish(run)
+    assert rc == 0, err
+    after = subprocess.run([sys.executable, "-m", "ftkit", "requeue", str(jobdir), "--exit-code", "0"],
+                           capture_output=True, text=True, timeout=120, env=env())
+    assert after.returncode == 0 and "still training" not in after.stdout + after.stderr, after.stderr
+    assert len(events(jobdir, "requeue")) == 1

@@ -45,6 +45,7 @@ from ._record import (
     describe_lease,
     judge,
     lease_status,
+    live_holder,
     pid_alive,
 )
 
@@ -58,6 +59,7 @@ __all__ = [
     "describe_lease",
     "judge",
     "lease_status",
+    "live_holder",
     "pid_alive",
     "take_lease",
 ]

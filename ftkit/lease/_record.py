@@ -314,6 +314,22 @@ def lock_held(path: Path, byte: int = 0) -> bool | None:
             os.close(fd)
 
 
+def live_holder(job_dir: str | os.PathLike[str]) -> LeaseRecord | None:
+    """The run that holds the job dir's lease now, where that is certain: a process of this
+    kernel (same host name and boot id) that exists and holds ``lease.lock``; else None (on
+    another node, nobody can say from here)."""
+    job = JobDir.of(job_dir)
+    record = LeaseRecord.read(job.lease)
+    if record is None or record.released is not None or record.pid == os.getpid():
+        return None
+    here = replace(record, host=socket.gethostname(), boot_id=boot_id(), pid=os.getpid())
+    if not _same_kernel(record, here) or not pid_alive(record.pid):
+        return None
+    if record.job_dir is not None and _other_dir(record.job_dir, str(job.root.resolve())):
+        return None  # a copy's record: that run holds another job dir
+    return record if lock_held(job.lease_lock) is True else None
+
+
 def describe_lease(job_dir: str | os.PathLike[str], *, now: float | None = None) -> str | None:
     """``held by SLURM job 123 (restart 0), pid 42 on node7, ...``; None without a lease record."""
     status = lease_status(job_dir, now=now)

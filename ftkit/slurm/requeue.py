@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import EXIT_JOBDIR_BUSY, SlurmError
+from ..errors import EXIT_JOBDIR_BUSY, ConfigError, SlurmError
 from ..events import EventLog, read_events
 from ..jobdir import JobDir
 from ..triggers.switches import remove_requests
@@ -217,6 +217,14 @@ def finish_run(
                           checkpoints_lookup=lambda root: None, clock=clock)
         return RunOutcome(decision=decision, action=None, message=f"ftkit requeue: not requeued: {decision.reason}",
                           exit_code=decision.exit_code)
+    from ..lease import live_holder
+
+    holder = live_holder(job.root) if job.root.is_dir() and not dry_run else None
+    if holder is not None:  # typed in a terminal while the job trains: it would end a run that goes on
+        raise ConfigError(
+            f"the run in job dir {job.root} is still training: {holder.holder} holds its lease ({job.lease}). "
+            "ftkit requeue ends a run after its training exited (the batch script's last line); nothing was "
+            "recorded or requeued")
     waited, running, seconds = wait_for_savers(jobdir, saver_wait)
     if waited:
         EventLog(JobDir.of(jobdir).events).emit("savers-waited", pids=waited, still_running=running,
