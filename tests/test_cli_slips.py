@@ -5,6 +5,7 @@ when no run is there. Each message must name what to fix; none may be a tracebac
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,9 @@ from tests.conftest import wait_for
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ftkit", *args], capture_output=True, text=True, timeout=timeout)
+    # wide: rich folds a path longer than the line inside it (pytest-xdist's tmp paths are long)
+    return subprocess.run([sys.executable, "-m", "ftkit", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "COLUMNS": "1000"})
 
 
 def said(r: subprocess.CompletedProcess) -> str:
